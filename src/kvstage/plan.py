@@ -1,0 +1,179 @@
+"""Pure numpy planning: block ids -> contiguous runs -> budgeted chunks -> counts.
+
+The same `CopyPlan` serves d2h and h2d (device and host use the same block ids). Every
+physical tensor moves the request's whole id set: that keeps one op per run over the
+slab and one network descriptor per run in the block-major host layout. Slots of a
+tensor that no layer of a group owns (short groups: gemma-3-1b groups 4 and 5 have no
+layer in tensor 3) are copied too; no layer reads them, so that costs bytes only
+(`padding_bytes`), never correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvstage.blocks import GroupedBlockIds
+from kvstage.layout import KVLayout
+
+DEFAULT_MAX_TEMP_BYTES = 8 << 20
+INDEX_BYTES = 8  # one int64 index per gathered block
+
+
+def find_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+    """Merge (src, dst) block pairs into runs where both advance by one.
+
+    Returns int64 ``[num_runs, 3]`` rows of (src_start, dst_start, length), in dst order.
+    ``[3,4,5,9] -> [3,4,5,9]`` gives ``[[3,3,3],[9,9,1]]``.
+    """
+    src = np.asarray(src, dtype=np.int64).reshape(-1)
+    dst = np.asarray(dst, dtype=np.int64).reshape(-1)
+    if src.shape != dst.shape:
+        raise ValueError(f"src has {src.size} ids, dst has {dst.size}; they pair one to one")
+    if src.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    lengths = np.diff(np.concatenate((starts, [dst.size])))
+    return np.stack((src[starts], dst[starts], lengths), axis=1)
+
+
+def split_runs(runs: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut runs so that every chunk holds at most ``max_len`` blocks.
+
+    Returns (pieces ``[P, 4]`` of (src_start, dst_start, length, offset_in_chunk), and
+    chunk bounds ``[C, 2]`` of (first_piece, end_piece)). Blocks are taken in run order,
+    so chunk k covers blocks [k * max_len, (k + 1) * max_len) of the request.
+    """
+    if max_len < 1:
+        raise ValueError(f"max_len must be >= 1, got {max_len}")
+    if runs.shape[0] == 0:
+        return np.zeros((0, 4), np.int64), np.zeros((0, 2), np.int64)
+    first = np.concatenate(([0], np.cumsum(runs[:, 2])[:-1]))  # request offset of each run
+    total = int(runs[:, 2].sum())
+    cuts = np.arange(max_len, total, max_len)
+    # every run boundary and chunk boundary, as request offsets
+    edges = np.union1d(np.concatenate((first, cuts)), [total])
+    starts = edges[:-1]
+    lengths = np.diff(edges)
+    run_of = np.searchsorted(first, starts, side="right") - 1
+    delta = starts - first[run_of]
+    pieces = np.stack(
+        (runs[run_of, 0] + delta, runs[run_of, 1] + delta, lengths, starts % max_len), axis=1
+    )
+    chunk_of = starts // max_len
+    bounds = np.searchsorted(chunk_of, np.arange(chunk_of[-1] + 2))
+    return pieces, np.stack((bounds[:-1], bounds[1:]), axis=1)
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """What one request moves between device and host, for every physical tensor.
+
+    ``block_ids``: sorted unique non-null ids, ``[num_blocks_moved]``.
+    ``runs``: ``[num_runs, 3]`` (src_start, dst_start, length).
+    ``pieces``/``chunks``: the runs cut under ``max_temp_bytes`` for staged gathers.
+    """
+
+    layout: KVLayout
+    block_ids: np.ndarray
+    runs: np.ndarray
+    pieces: np.ndarray
+    chunks: np.ndarray
+    chunk_blocks: int
+    max_temp_bytes: int
+    owned_slots: int
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.block_ids.size)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.runs.shape[0])
+
+    @property
+    def num_chunks(self) -> int:
+        return int(self.chunks.shape[0])
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_blocks == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved per direction: blocks x tensors x page."""
+        return self.num_blocks * self.layout.block_bytes
+
+    @property
+    def staging_bytes(self) -> int:
+        """Largest staging temporary (+ its index) a staged gather allocates."""
+        rows = min(self.chunk_blocks, self.num_blocks)
+        return rows * (self.layout.block_bytes + INDEX_BYTES)
+
+    @property
+    def padding_bytes(self) -> int:
+        return self.nbytes - self.owned_bytes
+
+    @property
+    def owned_bytes(self) -> int:
+        """Bytes of (tensor, block) slots some layer owns: the true minimum."""
+        return self.owned_slots * self.layout.page_size_bytes
+
+    def num_descriptors(self, block_major: bool) -> int:
+        """Network descriptors for this plan: one per run (block-major host rows hold
+        every tensor of a block), else one per run per tensor per plane."""
+        if block_major:
+            return self.num_runs
+        return self.num_runs * self.layout.num_tensors * self.layout.num_planes
+
+    def summary(self) -> dict[str, int]:
+        return {
+            "blocks": self.num_blocks,
+            "runs": self.num_runs,
+            "chunks": self.num_chunks,
+            "bytes": self.nbytes,
+            "owned_bytes": self.owned_bytes,
+            "staging_bytes": self.staging_bytes,
+        }
+
+
+def plan_copy(
+    layout: KVLayout, ids: GroupedBlockIds, *, max_temp_bytes: int = DEFAULT_MAX_TEMP_BYTES
+) -> CopyPlan:
+    """Plan one request's d2h or h2d copy.
+
+    ``max_temp_bytes`` bounds the staging temporary of a gather: a chunk holds
+    max(1, budget // (block_bytes + 8)) blocks (gemma-3-1b, 4 tensors x 16 KiB pages,
+    8 MiB -> 127 blocks), so peak extra memory is flat in the request size.
+    """
+    if not isinstance(ids, GroupedBlockIds):
+        raise TypeError(f"expected GroupedBlockIds, got {type(ids).__name__}")
+    if ids.num_blocks != layout.num_blocks or ids.num_groups != layout.num_groups:
+        raise ValueError(
+            f"ids were validated for {ids.num_groups} groups x {ids.num_blocks} blocks, "
+            f"the layout has {layout.num_groups} x {layout.num_blocks}; rebuild them for it"
+        )
+    if not isinstance(max_temp_bytes, int) or max_temp_bytes <= 0:
+        raise ValueError(f"max_temp_bytes must be a positive int, got {max_temp_bytes!r}")
+    block_ids = ids.unique_ids()
+    runs = find_runs(block_ids, block_ids)
+    chunk_blocks = max(1, max_temp_bytes // (layout.block_bytes + INDEX_BYTES))
+    pieces, chunks = split_runs(runs, chunk_blocks)
+    # a group's real ids are owned once per layer the group has
+    owned = sum(
+        int((ids.group(g.group_id) != 0).sum()) * len(g.layer_names) for g in layout.groups
+    )
+    return CopyPlan(
+        layout=layout,
+        block_ids=block_ids,
+        runs=runs,
+        pieces=pieces,
+        chunks=chunks,
+        chunk_blocks=chunk_blocks,
+        max_temp_bytes=max_temp_bytes,
+        owned_slots=owned,
+    )
