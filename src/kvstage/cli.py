@@ -1,0 +1,62 @@
+"""`kvstage demo | prefill | decode | bench copy | bench transfer | bench soak`.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
+``run(args) -> int``; modules are imported when the CLI is built, and none of them
+imports NIXL or CUDA at import time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# (command path, module, help)
+COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
+    (("demo",), "kvstage.pd.demo", "prefill -> decode over NIXL on 127.0.0.1, bytes verified"),
+    (("prefill",), "kvstage.pd.roles", "serve a prefill worker (side channel + NIXL + host buffer)"),
+    (("decode",), "kvstage.pd.roles", "run requests against a prefill worker and verify bytes"),
+    (("bench", "copy"), "kvstage.bench.copy", "device<->host copy strategies, op counts, memory"),
+    (("bench", "transfer"), "kvstage.bench.transfer", "NIXL READ: merged runs vs per-block descriptors"),
+    (("bench", "soak"), "kvstage.bench.soak", "many requests with faults; every one accounted for"),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstage", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    for path, module_name, help_text in COMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue  # not built yet
+        if len(path) == 1:
+            p = sub.add_parser(path[0], help=help_text, description=help_text)
+        else:
+            if path[0] not in groups:
+                g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
+                groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
+            p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
+        adder = getattr(module, f"add_{path[-1]}_arguments", None) or module.add_arguments
+        adder(p)
+        runner = getattr(module, f"run_{path[-1]}", None) or module.run
+        p.set_defaults(_run=runner)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
