@@ -15,10 +15,10 @@ from collections.abc import Sequence
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("demo",), "kvstage.pd.demo", "prefill -> decode over NIXL on 127.0.0.1, bytes verified"),
-    (("prefill",), "kvstage.pd.roles", "serve a prefill worker (side channel + NIXL + host buffer)"),
+    (("prefill",), "kvstage.pd.roles", "serve a prefill worker: side channel, NIXL, host buffer"),
     (("decode",), "kvstage.pd.roles", "run requests against a prefill worker and verify bytes"),
     (("bench", "copy"), "kvstage.bench.copy", "device<->host copy strategies, op counts, memory"),
-    (("bench", "transfer"), "kvstage.bench.transfer", "NIXL READ: merged runs vs per-block descriptors"),
+    (("bench", "transfer"), "kvstage.bench.transfer", "NIXL READ: merged vs per-block descs"),
     (("bench", "soak"), "kvstage.bench.soak", "many requests with faults; every one accounted for"),
 ]
 

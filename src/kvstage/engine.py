@@ -163,7 +163,9 @@ class CopyEngine:
         block_dim = self.layout.cache_layout.block_dim
         nbytes = 0
         for group_ids in calls:
-            vllm_copy_kv_blocks(src, dst, group_ids, group_ids, direction.value, block_dim=block_dim)
+            vllm_copy_kv_blocks(
+                src, dst, group_ids, group_ids, direction.value, block_dim=block_dim
+            )
             nbytes += len(group_ids) * len(src) * self.layout.page_size_bytes
         return CopyStats(direction, self.strategy, len(ids), 0, 0, nbytes)
 

@@ -60,7 +60,9 @@ class KVCache:
         self.device = torch.device(device)
         if _is_cuda(self.device) and not torch.cuda.is_available():
             raise ValueError("device='cuda' requested but torch.cuda.is_available() is False")
-        self.slab = torch.zeros(layout.canonical_shape, dtype=layout.torch_dtype, device=self.device)
+        shape = layout.canonical_shape
+        self.slab = torch.empty(shape, dtype=layout.torch_dtype, device=self.device)
+        self.slab.zero_()  # touch every page now, not during the first copy
 
     @property
     def canonical(self) -> torch.Tensor:
@@ -103,12 +105,18 @@ class HostBuffer:
         shape = (nb, t, p, e) if host_layout is HostLayout.BLOCK_MAJOR else (t, p, nb, e)
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA; pinned host memory is a CUDA concept")
-        self.storage = torch.zeros(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
+        self.storage = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
+        # fault every page in at start-up: torch.zeros maps lazily (calloc), and a first
+        # READ into untouched pages measured several times slower here
+        self.storage.zero_()
         self.pinned = pin_memory
 
     @classmethod
     def for_device(
-        cls, layout: KVLayout, device: str | torch.device, host_layout: HostLayout = HostLayout.BLOCK_MAJOR
+        cls,
+        layout: KVLayout,
+        device: str | torch.device,
+        host_layout: HostLayout = HostLayout.BLOCK_MAJOR,
     ) -> HostBuffer:
         """A host buffer pinned exactly when ``device`` is CUDA."""
         return cls(layout, host_layout, pin_memory=_is_cuda(torch.device(device)))

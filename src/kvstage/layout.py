@@ -299,7 +299,9 @@ class KVLayout:
             if f.name == "groups" and mine != theirs:
                 _check_groups(mine, theirs)
             if mine != theirs:
-                raise ValueError(f"incompatible KV layout: {f.name} is {mine!r} here, {theirs!r} remote")
+                raise ValueError(
+                    f"incompatible KV layout: {f.name} is {mine!r} here, {theirs!r} remote"
+                )
 
 
 def _check_groups(mine: tuple[KVGroup, ...], theirs: tuple[KVGroup, ...]) -> None:

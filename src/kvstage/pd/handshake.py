@@ -1,0 +1,97 @@
+"""The side channel: a zmq ROUTER on the prefill side, a REQ per call on the decode side.
+
+Binds 127.0.0.1 by default; every wait is bounded. A request that gets no reply within
+its timeout raises `HandshakeTimeout` (the REQ socket is discarded, so a late reply can
+never be read as the answer to a later question).
+"""
+
+from __future__ import annotations
+
+import zmq
+
+from kvstage.pd.messages import Error, Message, decode, encode
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class HandshakeTimeout(TimeoutError):
+    pass
+
+
+class PeerError(RuntimeError):
+    """The peer answered with an Error message."""
+
+
+def parse_address(address: str, *, default_host: str = DEFAULT_HOST) -> tuple[str, int]:
+    """``HOST:PORT`` (or ``:PORT``) -> (host, port), with a clear error otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:5600), got {address!r}")
+    return (host.strip("[]") or default_host), int(port)
+
+
+class SideChannelClient:
+    """Ask a prefill worker's side channel one question at a time."""
+
+    def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.timeout_s = timeout_s
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+
+    def call(self, msg: Message, *, timeout_s: float | None = None) -> Message:
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(self.endpoint)
+            sock.send(encode(msg))
+            if not sock.poll(int(timeout * 1000), zmq.POLLIN):
+                raise HandshakeTimeout(
+                    f"no answer from {self.endpoint} within {timeout:.1f} s: is a kvstage "
+                    "prefill worker listening there (kvstage prefill --listen HOST:PORT), "
+                    "and is the address reachable?"
+                )
+            reply = decode(sock.recv())
+        finally:
+            sock.close(linger=0)
+        if isinstance(reply, Error):
+            raise PeerError(f"{self.endpoint} refused {type(msg).__name__}: {reply.message}")
+        return reply
+
+
+class SideChannelServer:
+    """A non-blocking ROUTER: `poll` returns at most one (identity, message or error)."""
+
+    def __init__(self, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        try:
+            if port == 0:
+                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.host = host
+
+    def poll(self, timeout_s: float) -> tuple[list[bytes], Message | ValueError] | None:
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        frames = self._sock.recv_multipart()
+        envelope, payload = frames[:-1], frames[-1]
+        try:
+            return envelope, decode(payload)
+        except ValueError as exc:
+            return envelope, exc
+
+    def reply(self, envelope: list[bytes], msg: Message) -> None:
+        self._sock.send_multipart([*envelope, encode(msg)])
+
+    def close(self) -> None:
+        self._sock.close(linger=0)

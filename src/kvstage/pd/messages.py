@@ -1,0 +1,197 @@
+"""Side-channel messages (msgspec, tagged, versioned) and the KVLayout codec.
+
+Every message carries ``version``; a peer that speaks another version is refused with
+an error naming both versions, before any field is trusted.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from kvstage.layout import (
+    AttentionSpec,
+    CacheLayout,
+    KVGroup,
+    KVLayout,
+    MLASpec,
+    SlidingWindowSpec,
+)
+
+PROTOCOL_VERSION = 1
+
+
+class SpecMsg(msgspec.Struct, frozen=True):
+    kind: str  # "full" | "sliding_window" | "mla"
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    sliding_window: int = 0
+
+
+class GroupMsg(msgspec.Struct, frozen=True):
+    group_id: int
+    layer_names: list[str]
+    spec: SpecMsg
+
+
+class LayoutMsg(msgspec.Struct, frozen=True):
+    num_blocks: int
+    cache_layout: str
+    name: str
+    groups: list[GroupMsg]
+
+
+class Message(msgspec.Struct, tag_field="type", kw_only=True):
+    version: int = PROTOCOL_VERSION
+
+
+class GetMeta(Message, tag="get_meta"):
+    engine_id: str
+
+
+class Meta(Message, tag="meta"):
+    engine_id: str
+    agent_name: str
+    agent_metadata: bytes
+    layout: LayoutMsg
+    host_layout: str
+    host_base: int
+    host_nbytes: int
+    lease_s: float
+
+
+class PrefillRequest(Message, tag="prefill"):
+    """Ask the prefill worker to 'run' a prompt: allocate blocks, write KV, d2h."""
+
+    request_id: str
+    num_tokens: int
+    seed: int
+
+
+class PrefillDone(Message, tag="prefill_done"):
+    request_id: str
+    block_ids: list[list[int]]
+    d2h_s: float
+    nbytes: int
+    lease_s: float
+
+
+class GetStats(Message, tag="get_stats"):
+    pass
+
+
+class Acquire(Message, tag="acquire"):
+    """Decode is about to READ a request: confirm its blocks are held, extend the lease."""
+
+    request_id: str
+
+
+class Lease(Message, tag="lease"):
+    request_id: str
+    remaining_s: float
+
+
+class Stats(Message, tag="stats"):
+    held_requests: int
+    held_blocks: int
+    free_blocks: int
+    prefilled: int
+    completed: int
+    released: int
+    expired: int
+    unknown_notifs: list[str]
+    open_handles: int
+
+
+class Release(Message, tag="release"):
+    """Free a request's blocks now (what a decode abort sends, so prefill need not wait
+    for the lease)."""
+
+    request_id: str
+
+
+class Ok(Message, tag="ok"):
+    pass
+
+
+class Error(Message, tag="error"):
+    message: str
+
+
+AnyMessage = (
+    GetMeta | Meta | PrefillRequest | PrefillDone | Acquire | Lease | GetStats | Stats | Release
+    | Ok | Error
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+_probe = msgspec.msgpack.Decoder(dict)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> AnyMessage:
+    """Decode one message; a garbled or foreign one raises ValueError saying what arrived."""
+    try:
+        head = _probe.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(
+            f"side-channel message is not a kvstage message ({len(data)} bytes, "
+            f"starts {data[:16]!r}): {exc}"
+        ) from None
+    version = head.get("version")
+    if version != PROTOCOL_VERSION:
+        raise ValueError(
+            f"peer speaks side-channel protocol version {version!r}, this kvstage speaks "
+            f"{PROTOCOL_VERSION}: run the same kvstage version on prefill and decode"
+        )
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"malformed side-channel message {head.get('type')!r}: {exc}") from None
+
+
+def layout_to_msg(layout: KVLayout) -> LayoutMsg:
+    groups = []
+    for g in layout.groups:
+        s = g.spec
+        kind = (
+            "mla"
+            if isinstance(s, MLASpec)
+            else "sliding_window"
+            if isinstance(s, SlidingWindowSpec)
+            else "full"
+        )
+        window = s.sliding_window if isinstance(s, SlidingWindowSpec) else 0
+        spec = SpecMsg(kind, s.block_size, s.num_kv_heads, s.head_size, s.dtype, window)
+        groups.append(GroupMsg(g.group_id, list(g.layer_names), spec))
+    return LayoutMsg(layout.num_blocks, layout.cache_layout.value, layout.name, groups)
+
+
+def layout_from_msg(msg: LayoutMsg) -> KVLayout:
+    groups = []
+    for g in msg.groups:
+        s = g.spec
+        bs, heads, size, dtype = s.block_size, s.num_kv_heads, s.head_size, s.dtype
+        spec: AttentionSpec
+        if s.kind == "mla":
+            spec = MLASpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
+        elif s.kind == "sliding_window":
+            spec = SlidingWindowSpec(
+                block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype,
+                sliding_window=s.sliding_window,
+            )
+        elif s.kind == "full":
+            spec = AttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
+        else:
+            raise ValueError(f"unknown attention spec kind {s.kind!r} from peer")
+        groups.append(KVGroup(group_id=g.group_id, layer_names=tuple(g.layer_names), spec=spec))
+    return KVLayout(
+        num_blocks=msg.num_blocks,
+        groups=tuple(groups),
+        cache_layout=CacheLayout(msg.cache_layout),
+        name=msg.name,
+    )

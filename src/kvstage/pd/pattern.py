@@ -1,0 +1,78 @@
+"""A verifiable KV pattern: the bytes of (request seed, group, position) in every tensor.
+
+Prefill writes it into its device cache as the 'forward pass'; decode regenerates it for
+its own local block ids and compares every byte, so nothing but block ids crosses the
+side channel. Each block differs from every other (key mixes seed, group and position),
+so a block landing in the wrong place, or a stale one, cannot compare equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvstage.host_buffer import KVCache
+from kvstage.layout import KVLayout
+
+_GOLDEN = np.uint32(0x9E3779B1)
+_MIX = np.uint32(0x85EBCA77)
+
+
+def _keys(seed: int, group: int, n: int) -> np.ndarray:
+    base = (seed * 1_000_003 + group * 10_007) & 0xFFFFFFFF
+    return (np.arange(n, dtype=np.uint64) + base).astype(np.uint32)
+
+
+def pattern(layout: KVLayout, seed: int, group: int, n: int) -> np.ndarray:
+    """``[n, block_bytes]`` uint8: block-major rows for positions 0..n-1 of a group."""
+    if layout.block_bytes % 4:
+        raise ValueError(f"block_bytes {layout.block_bytes} is not a multiple of 4")
+    words = np.arange(layout.block_bytes // 4, dtype=np.uint32)
+    keys = _keys(seed, group, n)
+    with np.errstate(over="ignore"):
+        mixed = keys[:, None] * _GOLDEN + words[None, :] * _MIX
+        mixed ^= mixed >> np.uint32(15)
+    return mixed.view(np.uint8)
+
+
+def _canonical_bytes(cache: KVCache) -> torch.Tensor:
+    t, p, nb, e = cache.layout.canonical_shape
+    return cache.slab.view(torch.uint8).view(t, p, nb, -1)
+
+
+def _rows(layout: KVLayout, rows: np.ndarray) -> torch.Tensor:
+    """block-major rows [n, block_bytes] -> [T, P, n, E_bytes] canonical order."""
+    t, p = layout.num_tensors, layout.num_planes
+    return torch.from_numpy(rows).view(rows.shape[0], t, p, -1).permute(1, 2, 0, 3)
+
+
+def fill_request(cache: KVCache, block_ids: Sequence[Sequence[int]], seed: int) -> None:
+    """Write the pattern of every (group, position) into its block, every tensor."""
+    dst = _canonical_bytes(cache)
+    for g, ids in enumerate(block_ids):
+        if not ids:
+            continue
+        idx = torch.tensor(list(ids), dtype=torch.int64, device=cache.device)
+        rows = _rows(cache.layout, pattern(cache.layout, seed, g, len(ids)))
+        dst[:, :, idx] = rows.to(cache.device)
+
+
+def verify_request(
+    cache: KVCache, block_ids: Sequence[Sequence[int]], seed: int, *, skip: int = 0
+) -> list[str]:
+    """Mismatches (empty list = every byte right). ``block_ids[g][i]`` must hold pattern
+    position ``skip + i`` of group g (``skip`` > 0 when decode already held a prefix)."""
+    src = _canonical_bytes(cache)
+    problems = []
+    for g, ids in enumerate(block_ids):
+        if not ids:
+            continue
+        idx = torch.tensor(list(ids), dtype=torch.int64, device=cache.device)
+        got = src[:, :, idx].cpu()
+        want = _rows(cache.layout, pattern(cache.layout, seed, g, len(ids) + skip)[skip:])
+        bad = (got != want).flatten(start_dim=3).any(dim=3).any(dim=0).any(dim=0)
+        for pos in torch.nonzero(bad).flatten().tolist():
+            problems.append(f"group {g} position {pos} (block {ids[pos]}) differs")
+    return problems
