@@ -1,0 +1,544 @@
+"""`kvstage bench copy`: device <-> host copy strategies, timed, op-counted, memory-checked.
+
+Reproduces vLLM PR #54483's tables (per_group = before, coalesced = after) and adds
+kvstage's fused strategy plus a plain ``copy_`` of fused's bytes (this machine's copy
+bandwidth). Strategies run interleaved (A B C A B C ...) so a noisy, shared machine
+slows all of them alike; min and median are reported. CUDA loads lazily (``--device``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvstage.bench.report import (
+    Column,
+    Progress,
+    cuda_peak_bytes,
+    format_bytes,
+    machine_info,
+    plot_lines,
+    print_table,
+    profiler_counts,
+    ratio,
+    summarize_ns,
+    write_json,
+)
+from kvstage.blocks import BlockPool, GroupedBlockIds, clip_to_window, request_blocks
+from kvstage.engine import CopyEngine, Direction
+from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
+from kvstage.layout import PRESETS, KVLayout, cdiv, preset, synthetic_layout
+from kvstage.ops import OpCounter
+from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, plan_copy
+
+STRATEGIES = ("per_group", "coalesced", "fused")
+# the ops both counters must agree on (profiler outermost aten ops vs OpCounter)
+COMPARED_OPS = ("copy_", "index", "index_put_", "index_select", "index_copy_")
+DEFAULT_GROUPS = [1, 2, 3, 6]
+DEFAULT_PROMPTS = [512, 2048, 8192]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_copy_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--num-layers", type=_positive_int, nargs="+", default=None, help="default 16")
+    a("--blocks-per-request", type=_positive_int, default=6, help="default 6 (PR regime)")
+    a("--groups", type=_positive_int, nargs="+", default=None, help="default 1 2 3 6")
+    a("--direction", choices=("h2d", "d2h", "both"), default="both")
+    a("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    a("--ids", choices=("contiguous", "scattered"), default="contiguous",
+      help="contiguous: 1..B split into G consecutive groups; scattered: from a churned pool")
+    a("--preset", choices=sorted(PRESETS), default=None, help="a model layout, not synthetic")
+    a("--prompt-tokens", type=_positive_int, nargs="+", default=None,
+      help=f"prompt lengths for --preset (default {' '.join(map(str, DEFAULT_PROMPTS))})")
+    a("--host-layout", nargs="+", choices=[h.value for h in HostLayout],
+      default=[HostLayout.BLOCK_MAJOR.value], help="several: fused runs once per layout")
+    a("--fused-mode", choices=("auto", "direct", "staged"), default="auto")
+    a("--max-temp-bytes", type=_positive_int, default=DEFAULT_MAX_TEMP_BYTES)
+    a("--num-blocks", type=_positive_int, default=None, help="pool size (default: auto)")
+    a("--iters", type=_positive_int, default=None, help="timed iterations (default 200)")
+    a("--warmup", type=int, default=None, help="untimed iterations first (default 20)")
+    a("--op-counts", action="store_true", help="device ops per request: profiler + OpCounter")
+    a("--memory", action="store_true", help="peak temporary bytes per strategy")
+    a("--no-timing", action="store_true", help="only op counts / memory")
+    a("--device", choices=("cpu", "cuda"), default="cpu")
+    a("--json", default=None, metavar="PATH")
+    a("--plot", default=None, metavar="PATH.png")
+    a("--markdown", action="store_true", help="print tables as GitHub markdown")
+    a("--quick", action="store_true", help="a few seconds: CI smoke and demo")
+    a("--seed", type=int, default=0)
+    a("--threads", type=_positive_int, default=None,
+      help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
+    parser.set_defaults(_parser=parser)
+
+
+def _resolve(args: argparse.Namespace) -> None:
+    """Fill defaults that depend on other flags; reject combinations with argparse errors."""
+    err = args._parser.error
+    if args.preset:
+        if args.groups or args.num_layers:
+            err("--groups/--num-layers do not apply with --preset: the model fixes them")
+        args.prompt_tokens = args.prompt_tokens or DEFAULT_PROMPTS
+    else:
+        if args.prompt_tokens:
+            err("--prompt-tokens needs --preset (synthetic requests use --blocks-per-request)")
+        args.groups = args.groups or DEFAULT_GROUPS
+        args.num_layers = args.num_layers or [16]
+        for g in args.groups:
+            if g > args.blocks_per_request:
+                err(f"--groups {g} exceeds --blocks-per-request {args.blocks_per_request}: "
+                    "every group needs at least one block; raise --blocks-per-request")
+            for n in args.num_layers:
+                if g > n:
+                    err(f"--groups {g} exceeds --num-layers {n}: a group needs >= 1 layer")
+    args.iters = args.iters or (10 if args.quick else 200)
+    args.warmup = (2 if args.quick else 20) if args.warmup is None else args.warmup
+    if args.warmup < 0:
+        err(f"--warmup must be >= 0, got {args.warmup}")
+    if args.plot and not args.plot.endswith(".png"):
+        err(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        err("--device cuda but torch.cuda.is_available() is False (CPU-only torch or no GPU)")
+    b = args.blocks_per_request
+    if args.num_blocks is not None and not args.preset and args.num_blocks <= b:
+        err(f"--num-blocks {args.num_blocks} must exceed --blocks-per-request "
+            f"{args.blocks_per_request} (block 0 is the null block)")
+
+
+@dataclass
+class Case:
+    """One layout and one request's per-group ids."""
+
+    label: str
+    layout: KVLayout
+    groups: list[list[int]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _churned_pool(num_blocks: int, seed: int) -> BlockPool:
+    """A pool after many allocate/free cycles, so its free queue order is scrambled."""
+    pool, rng = BlockPool(num_blocks), np.random.default_rng(seed)
+    held: list[list[int]] = []
+    for _ in range(4 * num_blocks):
+        if held and (rng.random() < 0.5 or pool.num_free < 8):
+            pool.free(held.pop(int(rng.integers(len(held)))))
+        else:
+            held.append(pool.allocate(int(rng.integers(1, min(8, pool.num_free) + 1))))
+    for k in rng.permutation(len(held)):
+        pool.free(held[k])
+    return pool
+
+
+def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:
+    bounds = np.cumsum([0, *sizes])
+    return [ids[bounds[g] : bounds[g + 1]] for g in range(len(sizes))]
+
+
+def build_cases(args: argparse.Namespace) -> list[Case]:
+    if args.preset:
+        return [_prompt_case(args, tokens) for tokens in args.prompt_tokens]
+    b = args.blocks_per_request
+    num_blocks = args.num_blocks or (max(32, 2 * b + 1) if args.quick else max(256, 4 * b + 1))
+    cases = []
+    for num_layers in args.num_layers:
+        for g in args.groups:
+            layout = synthetic_layout(num_layers=num_layers, num_groups=g, num_blocks=num_blocks)
+            sizes = [len(a) for a in np.array_split(np.arange(b), g)]
+            if args.ids == "contiguous":
+                flat = list(range(1, b + 1))  # block 0 is the null block
+            else:
+                flat = _churned_pool(num_blocks, args.seed).allocate(b)
+            meta = {"num_layers": num_layers, "groups": g, "num_tensors": layout.num_tensors,
+                    "blocks_per_group": _compact(sizes)}
+            cases.append(Case(f"{num_layers}L {g}G", layout, _split(flat, sizes), meta))
+    return cases
+
+
+def _prompt_case(args: argparse.Namespace, tokens: int) -> Case:
+    """A prompt's ids as vLLM holds them: every group allocates cdiv(tokens, block_size)
+    blocks group by group, then sliding-window groups keep their window (clip_to_window)
+    and free the rest."""
+    probe = preset(args.preset, num_blocks=2)
+    full = cdiv(tokens, probe.spec.block_size)
+    num_blocks = args.num_blocks or probe.num_groups * full + 1
+    layout = preset(args.preset, num_blocks=num_blocks)
+    scattered = args.ids == "scattered"
+    pool = _churned_pool(num_blocks, args.seed) if scattered else BlockPool(num_blocks)
+    allocated = [pool.allocate(full) for _ in layout.groups]
+    kept = clip_to_window(allocated, layout)
+    for ids, keep in zip(allocated, kept, strict=True):
+        pool.free(ids[: len(ids) - len(keep)])
+    sizes = [len(k) for k in kept]
+    assert sizes == request_blocks(layout, tokens), (sizes, request_blocks(layout, tokens))
+    meta = {"prompt_tokens": tokens, "groups": layout.num_groups, "num_layers": layout.num_layers,
+            "num_tensors": layout.num_tensors, "blocks_per_group": _compact(sizes)}
+    return Case(f"{args.preset} {tokens} tok", layout, kept, meta)
+
+
+def _compact(sizes: list[int]) -> str:
+    """[33, 33, 33, 128] -> '[33x3, 128]' (the PR review's notation)."""
+    parts, k = [], 0
+    while k < len(sizes):
+        n = 1
+        while k + n < len(sizes) and sizes[k + n] == sizes[k]:
+            n += 1
+        parts.append(f"{sizes[k]}x{n}" if n > 1 else str(sizes[k]))
+        k += n
+    return "[" + ", ".join(parts) + "]"
+
+
+class Bench:
+    """The buffers and engines of one case: a variant per (strategy, host layout)."""
+
+    def __init__(self, case: Case, args: argparse.Namespace) -> None:
+        self.case, self.device = case, args.device
+        self.cuda = args.device == "cuda"
+        self.cache = KVCache(case.layout, args.device)
+        self.cache.fill_random(args.seed)
+        self.ids = GroupedBlockIds(case.groups, case.layout)
+        self.plan = plan_copy(case.layout, self.ids, max_temp_bytes=args.max_temp_bytes)
+        hosts = [HostLayout(h) for h in args.host_layout]
+        self.hosts = {h: HostBuffer.for_device(case.layout, args.device, h) for h in hosts}
+        multi = len(hosts) > 1
+        self.variants: dict[str, tuple[CopyEngine, HostLayout]] = {}
+        for strategy in args.strategies:
+            for h in hosts if strategy == "fused" else hosts[:1]:
+                name = f"fused[{h.value}]" if strategy == "fused" and multi else strategy
+                engine = CopyEngine(self.cache, self.hosts[h], strategy=strategy,
+                                    max_temp_bytes=args.max_temp_bytes, mode=args.fused_mode)
+                self.variants[name] = (engine, h)
+        # the memcpy reference: one contiguous copy_ of fused's bytes, host <-> device
+        # (in the KV dtype, so the same copy kernel runs; only the strides differ)
+        n = self.plan.nbytes // case.layout.spec.dtype_bytes
+        dtype = case.layout.torch_dtype
+        self.dev_flat = torch.ones(n, dtype=dtype, device=args.device)
+        self.host_flat = torch.ones(n, dtype=dtype, pin_memory=self.cuda)
+
+    def request(self, name: str, direction: Direction) -> Callable[[], Any]:
+        engine = self.variants[name][0]
+        return lambda: engine.copy(self.ids, direction)
+
+    def memcpy(self, direction: Direction) -> Callable[[], Any]:
+        src, dst = self.dev_flat, self.host_flat
+        if direction is Direction.H2D:
+            src, dst = dst, src
+        return lambda: dst.copy_(src, non_blocking=self.cuda)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def verify(self, name: str, direction: Direction) -> bool:
+        """Copy once into zeroed destination blocks and compare with the source blocks."""
+        engine, h = self.variants[name]
+        dev, host = self.cache.canonical, self.hosts[h].canonical
+        ids = torch.from_numpy(self.plan.block_ids.copy())
+        dev_ids = ids.to(dev.device)
+        want = dev[:, :, dev_ids].cpu()  # random bytes (fill_random): no false match
+        if direction is Direction.D2H:
+            host[:, :, ids] = 0
+        else:
+            host[:, :, ids] = want  # what h2d must bring back, wherever it came from
+            dev[:, :, dev_ids] = 0
+        engine.copy(self.ids, direction)
+        self.sync()
+        got = host[:, :, ids] if direction is Direction.D2H else dev[:, :, dev_ids].cpu()
+        return bool(torch.equal(got, want))
+
+
+def _timer(cuda: bool) -> Callable[[Callable[[], Any]], int]:
+    """Nanoseconds of one call: perf_counter_ns on CPU, CUDA events and one synchronize
+    per measured request on CUDA (what a caller waiting on the copy sees)."""
+    if not cuda:
+        def cpu(fn: Callable[[], Any]) -> int:
+            t0 = time.perf_counter_ns()
+            fn()
+            return time.perf_counter_ns() - t0
+        return cpu
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def gpu(fn: Callable[[], Any]) -> int:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return int(start.elapsed_time(end) * 1e6)
+    return gpu
+
+
+def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Interleaved timings of every variant, the memcpy row and fused's planning alone."""
+    layout, ids, plan = bench.case.layout, bench.ids, bench.plan
+    fns = {name: bench.request(name, direction) for name in bench.variants}
+    fns["memcpy"] = bench.memcpy(direction)
+    fns["fused plan"] = lambda: plan_copy(layout, ids, max_temp_bytes=args.max_temp_bytes)
+    verified = {name: bench.verify(name, direction) for name in bench.variants}
+    nbytes = {name: bench.variants[name][0].copy(ids, direction).nbytes for name in bench.variants}
+    nbytes["memcpy"] = plan.nbytes
+    timers = dict.fromkeys(fns, _timer(bench.cuda))
+    timers["fused plan"] = _timer(False)  # host-only numpy work: wall clock, not events
+    samples: dict[str, list[int]] = {name: [] for name in fns}
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside one strategy's sample would bias it
+    try:
+        for it in range(args.warmup + args.iters):
+            for name, fn in fns.items():
+                ns = timers[name](fn)
+                if it >= args.warmup:
+                    samples[name].append(ns)
+    finally:
+        if gc_was:
+            gc.enable()
+    rows = []
+    for name, fn_samples in samples.items():
+        stats = summarize_ns(fn_samples)
+        moved = nbytes.get(name)
+        host = bench.variants[name][1] if name in bench.variants else None
+        rows.append({
+            "case": bench.case.label, **bench.case.meta, "ids": args.ids,
+            "direction": direction.value, "strategy": name,
+            "host_layout": host.value if host else None, "blocks": plan.num_blocks,
+            "runs": plan.num_runs, "nbytes": moved, "min_bytes": plan.nbytes,
+            "descriptors": plan.num_descriptors(host is HostLayout.BLOCK_MAJOR)
+            if name.startswith("fused[") or name == "fused" else None,
+            **stats, "gbps": moved / stats["median_us"] / 1e3 if moved else None,
+            "verified": verified.get(name),
+        })
+    return rows
+
+
+def run_copy(args: argparse.Namespace) -> int:
+    _resolve(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cases = build_cases(args)
+    directions = [Direction.D2H, Direction.H2D] if args.direction == "both" else [
+        Direction(args.direction)]
+    progress = Progress(len(cases) * len(directions))
+    timings: list[dict[str, Any]] = []
+    ops: list[dict[str, Any]] = []
+    memory: list[dict[str, Any]] = []
+    for case in cases:
+        bench = Bench(case, args)
+        for direction in directions:
+            if not args.no_timing:
+                timings += time_case(bench, direction, args)
+            if args.op_counts:
+                ops += count_ops(bench, direction)
+            if args.memory:
+                memory += measure_memory(bench, direction, args)
+            progress.step(f"{case.label} {direction.value}")
+        del bench
+    print_tables(args, timings, ops, memory)
+    if args.json:
+        env = machine_info(args.device)
+        write_json(args.json, config=vars(args), env=env, timings=timings, op_counts=ops,
+                   memory=memory)
+        print(f"wrote {args.json}")
+    if args.plot and timings:
+        _plot(args, timings)
+        print(f"wrote {args.plot}")
+    bad = [r for r in timings if r["verified"] is False]
+    bad += [r for r in ops if r["matches_expected"] is False or r["agree"] is False]
+    return 1 if bad else 0
+
+
+def _plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    xkey = "prompt_tokens" if args.preset else "groups"
+    panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    series: dict[tuple[str, str], Counter[float]] = {}
+    for r in rows:
+        if r["strategy"] == "fused plan":
+            continue
+        label = r["strategy"] if args.preset else f"{r['strategy']} {r['num_layers']}L"
+        series.setdefault((r["direction"], label), Counter())[r[xkey]] = r["median_us"]
+    for (direction, label), points in series.items():
+        xs = sorted(points)
+        panels.setdefault(direction, {})[label] = (xs, [points[x] for x in xs])
+    plot_lines(args.plot, panels, xlabel=xkey.replace("_", " "), ylabel="median latency (us)",
+               title=f"kvstage bench copy ({args.device}, {args.ids} ids)", logy=True)
+
+
+add_arguments = add_copy_arguments
+run = run_copy
+
+
+# -- op counts and memory -------------------------------------------------------------
+def _expected_ops(bench: Bench, engine: CopyEngine, direction: Direction) -> dict[str, int]:
+    """Exact device ops per request: per_group G x L x k, coalesced L x k, fused one op
+    set per run (direct) or per chunk plus one DMA per run piece (staged); k = 2
+    (index, index_put_) as counted here (CUDA's .to() copy is a separate _to_copy)."""
+    layout, plan = bench.case.layout, bench.plan
+    out = dict.fromkeys(COMPARED_OPS, 0)
+    strategy = engine.strategy.value
+    if strategy != "fused":
+        calls = sum(1 for g in bench.case.groups if g) if strategy == "per_group" else 1
+        out["index"] = out["index_put_"] = calls * layout.num_layers
+    elif engine.mode == "direct":
+        out["copy_"] = plan.num_runs
+    else:
+        per_piece = 1 if engine.host.block_major or not bench.cuda else (
+            layout.num_tensors * layout.num_planes)
+        out["copy_"] = int(plan.pieces.shape[0]) * per_piece
+        out["index_select" if direction is Direction.D2H else "index_copy_"] = plan.num_chunks
+    return out
+
+
+def count_ops(bench: Bench, direction: Direction) -> list[dict[str, Any]]:
+    """One request per variant under OpCounter and one under torch.profiler."""
+    rows = []
+    for name, (engine, _host) in bench.variants.items():
+        fn = bench.request(name, direction)
+        fn()  # warm: lazy initialisation stays out of the counts
+        bench.sync()
+        with OpCounter() as counter:
+            fn()
+            bench.sync()
+        prof = profiler_counts(fn, cuda=bench.cuda)
+        expected = _expected_ops(bench, engine, direction)
+        device_ops = sorted(k for k in prof if k.startswith(("Memcpy", "Memset", "CUDA")))
+        for op in [*COMPARED_OPS, "lift_fresh", "_to_copy", "data ops", *device_ops]:
+            if op in device_ops:
+                p, o = prof[op], None
+            elif op == "data ops":  # every byte-moving op the OpCounter saw
+                p, o = None, counter.data_ops
+            else:
+                p, o = prof.get(op, 0), counter.counts.get(op, 0)
+            exp = expected.get(op)
+            rows.append({
+                "case": bench.case.label, **bench.case.meta, "direction": direction.value,
+                "strategy": name, "op": op, "profiler": p, "opcounter": o, "expected": exp,
+                "agree": (p == o) if op in COMPARED_OPS else None,
+                "matches_expected": None if exp is None else (p == exp and o == exp),
+            })
+    return rows
+
+
+def measure_memory(bench: Bench, direction: Direction, args: argparse.Namespace
+                   ) -> list[dict[str, Any]]:
+    """Peak temporary bytes of one request: the baselines, fused staged and fused direct."""
+    layout = bench.case.layout
+    host = bench.hosts[HostLayout(args.host_layout[0])]
+    variants = [(s, "auto") for s in ("per_group", "coalesced") if s in args.strategies]
+    variants += [("fused", "staged"), ("fused", "direct")]
+    bound = args.max_temp_bytes + layout.block_bytes  # a chunk always holds >= 1 block
+    rows = []
+    for strategy, mode in variants:
+        engine = CopyEngine(bench.cache, host, strategy=strategy,
+                            max_temp_bytes=args.max_temp_bytes, mode=mode)  # type: ignore[arg-type]
+        fn = lambda e=engine: e.copy(bench.ids, direction)  # noqa: E731
+        fn()
+        bench.sync()
+        with OpCounter() as counter:
+            fn()
+            bench.sync()
+        staged = mode == "staged"
+        rows.append({
+            "case": bench.case.label, **bench.case.meta, "direction": direction.value,
+            "strategy": f"fused {mode}" if strategy == "fused" else strategy,
+            "peak_temp_bytes": counter.peak_temp_bytes,
+            "cuda_peak_bytes": cuda_peak_bytes(fn) if bench.cuda else None,
+            "request_bytes": bench.plan.nbytes,
+            "budget": args.max_temp_bytes if staged else None,
+            "bounded": counter.peak_temp_bytes <= bound if staged else None,
+        })
+    return rows
+
+
+# -- tables ---------------------------------------------------------------------------
+def _us(v: float) -> str:
+    return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
+
+
+def _pivot(rows: list[dict[str, Any]], keys: tuple[str, ...], col: str, val: Callable[
+        [dict[str, Any]], Any]) -> list[dict[str, Any]]:
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        k = tuple(r.get(x) for x in keys)
+        out.setdefault(k, {x: r.get(x) for x in keys})[r[col]] = val(r)
+    return list(out.values())
+
+
+def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
+                 ops: list[dict[str, Any]], memory: list[dict[str, Any]]) -> None:
+    md = args.markdown
+    case = Column("case", "case", align="<")
+    fused = next((r["strategy"] for r in timings if r["strategy"].startswith("fused")), "fused")
+    if timings:
+        summary = _pivot(timings, ("case", "direction"), "strategy", lambda r: r["median_us"])
+        for r in summary:
+            r["saved"] = ratio(r.get("per_group", 0) - r.get("coalesced", 0), r.get("per_group"))
+            r["x_fused"] = ratio(r.get("coalesced"), r.get(fused))
+            r["bw"] = ratio(r.get("memcpy"), r.get(fused))
+            # planning is numpy on the host; a caller can overlap it (estimate: medians)
+            exec_us = r[fused] - r["fused plan"] if fused in r and "fused plan" in r else None
+            r["x_exec"] = ratio(r.get("coalesced"), exec_us)
+        cols = [case, Column("direction", "dir", align="<")]
+        cols += [Column(s, f"{s} us", _us) for s in (*STRATEGIES[:2], fused, "memcpy")]
+        cols += [Column("saved", "PR saved", "{:.1%}"), Column("x_fused", "fused vs coalesced",
+                 "{:.1f}x"), Column("fused plan", "fused plan us", _us),
+                 Column("x_exec", "excl. plan", "{:.1f}x"),
+                 Column("bw", "fused % memcpy BW", "{:.0%}")]
+        title = f"Latency per request, median of {args.iters} ({args.device}, {args.ids} ids)"
+        print_table(summary, cols, markdown=md, title=title)
+        detail = [Column("strategy", align="<"), Column("blocks"), Column("runs"),
+                  Column("descriptors", "descs"), Column("nbytes", "moved", format_bytes),
+                  Column("min_bytes", "min bytes", format_bytes), Column("min_us", "min us", _us),
+                  Column("median_us", "median us", _us), Column("gbps", "GB/s", "{:.2f}"),
+                  Column("verified", "ok")]
+        print_table(timings, [case, Column("direction", "dir", align="<"), *detail], markdown=md,
+                    title="All timings (GB/s = bytes moved / median)")
+    if ops:
+        shown = {r["op"] for r in ops if r["profiler"] or r["opcounter"] or r["expected"]}
+        pivot = _pivot([r for r in ops if r["op"] in shown], ("groups", "direction", "op"),
+                       "strategy", lambda r: "/".join("-" if v is None else str(v) for v in (
+                           r["profiler"], r["opcounter"])))
+        for p in pivot:
+            flags = [r for r in ops if (r["groups"], r["direction"], r["op"]) == (
+                p["groups"], p["direction"], p["op"])]
+            agree = [r["agree"] for r in flags if r["agree"] is not None]
+            exp = [r["matches_expected"] for r in flags if r["matches_expected"] is not None]
+            p["agree"] = ("yes" if all(agree) else "NO") if agree else "n/a"
+            p["expected"] = ("yes" if all(exp) else "NO") if exp else "n/a"
+        names = list(dict.fromkeys(r["strategy"] for r in ops))
+        cols = [Column("groups"), Column("direction", "dir", align="<"),
+                Column("op", "operation", align="<"), *(Column(n) for n in names),
+                Column("agree", "profiler = OpCounter"), Column("expected", "= expected")]
+        print_table(pivot, cols, markdown=md,
+                    title="Device ops per request (torch.profiler / kvstage OpCounter)")
+    if memory:
+        pivot = _pivot(memory, ("case", "direction", "blocks_per_group", "request_bytes"),
+                       "strategy", lambda r: r["peak_temp_bytes"])
+        for p in pivot:
+            p["bounded"] = all(r["bounded"] for r in memory if r["bounded"] is not None and (
+                r["case"], r["direction"]) == (p["case"], p["direction"]))
+        strategies = list(dict.fromkeys(r["strategy"] for r in memory))
+        cols = [case, Column("direction", "dir", align="<"),
+                Column("blocks_per_group", "blocks per group", align="<"),
+                Column("request_bytes", "request", format_bytes),
+                *(Column(s, fmt=format_bytes) for s in strategies),
+                Column("bounded", f"staged <= {format_bytes(args.max_temp_bytes)} + 1 block")]
+        print_table(pivot, cols, markdown=md, title="Peak temporary bytes per request (OpCounter)")
+        if args.device == "cuda":
+            cuda_cols = [case, Column("direction", "dir", align="<"),
+                         *(Column(s, fmt=format_bytes) for s in strategies)]
+            print_table(_pivot(memory, ("case", "direction"), "strategy",
+                               lambda r: r["cuda_peak_bytes"]), cuda_cols, markdown=md,
+                        title="Peak CUDA allocator bytes per request (max_memory_allocated)")
