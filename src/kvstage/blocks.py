@@ -82,12 +82,16 @@ class GroupedBlockIds:
         arrays = []
         for g, ids in enumerate(groups):
             try:
-                arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-            except (TypeError, ValueError) as exc:
+                raw = np.asarray(ids)
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise TypeError(f"group {g} block ids must be ints, got {ids!r}") from exc
-            if isinstance(ids, np.ndarray) and ids.dtype.kind not in "iu":
-                raise TypeError(f"group {g} block ids must be ints, got dtype {ids.dtype}")
-            arrays.append(arr)
+            # check the kind before converting: a cast to int64 would silently truncate
+            # floats (1.5 -> 1) and parse strings ("3" -> 3); bools are not block ids
+            if raw.size and raw.dtype.kind not in "iu":
+                raise TypeError(
+                    f"group {g} block ids must be ints, got dtype {raw.dtype} ({ids!r})"
+                )
+            arrays.append(raw.astype(np.int64).reshape(-1))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         sizes = np.array([a.size for a in arrays], dtype=np.int64)
         _validate(flat, sizes, layout.num_blocks)

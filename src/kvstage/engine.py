@@ -22,6 +22,7 @@ import torch
 
 from kvstage.blocks import GroupedBlockIds
 from kvstage.host_buffer import HostBuffer, KVCache
+from kvstage.layout import KVLayout
 from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, CopyPlan, plan_copy
 
 
@@ -81,6 +82,20 @@ def vllm_copy_kv_blocks(
     _ = direction  # both directions use the same ops; the platform picks the device side
 
 
+def _staged_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.uint8 if dtype.itemsize == 1 else dtype
+
+
+def _difference(cache: KVLayout, host: KVLayout) -> str:
+    """Which field differs, in check_compatible's words (same-named layouts, e.g. one
+    preset at two pool sizes or dtypes, would otherwise read "gemma-3-1b vs gemma-3-1b")."""
+    try:
+        cache.check_compatible(host)
+    except ValueError as exc:
+        return " (" + str(exc).replace(" here", " (cache)").replace(" remote", " (host)") + ")"
+    return " (they differ only in name)"
+
+
 class CopyEngine:
     """Copies a request's blocks between a device `KVCache` and its `HostBuffer`."""
 
@@ -97,6 +112,7 @@ class CopyEngine:
             raise ValueError(
                 "device cache and host buffer were built for different layouts: "
                 f"{cache.layout.name or cache.layout} vs {host.layout.name or host.layout}"
+                f"{_difference(cache.layout, host.layout)}; build both from one KVLayout"
             )
         try:
             self.strategy = Strategy(strategy)
@@ -187,8 +203,13 @@ class CopyEngine:
         block_major = self.host.block_major
         # staging order matches the host so every DMA is contiguous on both ends
         shape = (rows, t, p, e) if block_major else (t, p, rows, e)
-        staging = torch.empty(shape, dtype=self.layout.torch_dtype, device=self.cache.device)
-        dev_blocks = self.cache.slab.permute(2, 0, 1, 3) if block_major else self.cache.slab
+        # 1-byte dtypes move as uint8 (same element count, so no cost): torch's CPU
+        # index_select/index_copy_ have no float8 kernels ("index_copy_cpu" not
+        # implemented for 'Float8_e4m3fn'); _host_run returns the matching byte view
+        dtype = _staged_dtype(self.layout.torch_dtype)
+        staging = torch.empty(shape, dtype=dtype, device=self.cache.device)
+        slab = self.cache.slab.view(dtype)
+        dev_blocks = slab.permute(2, 0, 1, 3) if block_major else slab
         bdim = 0 if block_major else 2
         ids_all = plan.block_ids
         for k, (first, end) in enumerate(plan.chunks.tolist()):
@@ -207,9 +228,10 @@ class CopyEngine:
                 dev_blocks.index_copy_(bdim, idx, view)
 
     def _host_run(self, start: int, n: int) -> torch.Tensor:
+        storage = self.host.storage.view(_staged_dtype(self.host.storage.dtype))
         if self.host.block_major:
-            return self.host.storage[start : start + n]
-        return self.host.storage[:, :, start : start + n]
+            return storage[start : start + n]
+        return storage[:, :, start : start + n]
 
     def _dma(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.host.block_major or not self.is_cuda:

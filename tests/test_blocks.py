@@ -1,0 +1,161 @@
+"""Block ids: the shared BlockPool (null block 0, free-queue scattering, misuse errors),
+GroupedBlockIds validation, and vLLM's sliding-window clip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstage import NULL_BLOCK, BlockPool, GroupedBlockIds, clip_to_window, preset
+from kvstage.blocks import request_blocks
+from kvstage.layout import synthetic_layout
+
+LAYOUT = synthetic_layout(num_layers=4, num_groups=2, num_blocks=16, head_size=8)
+
+
+# -- BlockPool ------------------------------------------------------------------------------
+
+
+def test_pool_never_hands_out_null_block() -> None:
+    pool = BlockPool(8)
+    ids = pool.allocate(7)
+    assert NULL_BLOCK not in ids and sorted(ids) == list(range(1, 8))
+    assert pool.num_free == 0 and pool.num_used == 7
+    pool.free([0, *ids])  # the null id in a free list is ignored, like vLLM's
+    assert pool.num_free == 7 and pool.num_used == 0
+
+
+def test_pool_allocates_from_head_and_frees_to_tail() -> None:
+    pool = BlockPool(10)
+    assert pool.allocate(3) == [1, 2, 3]
+    assert pool.allocate(2) == [4, 5]
+    pool.free([2, 1])  # appended in the order given
+    pool.free([5, 4])
+    assert pool.allocate(4) == [6, 7, 8, 9]
+    assert pool.allocate(4) == [2, 1, 5, 4]
+
+
+def test_free_order_scatters_after_recycling() -> None:
+    pool = BlockPool(10)
+    first = pool.allocate(6)  # 1..6
+    pool.free([first[4], first[1], first[5]])  # 5, 2, 6 back to the tail
+    rest = pool.allocate(3)  # 7, 8, 9
+    assert rest == [7, 8, 9]
+    recycled = pool.allocate(3)
+    assert recycled == [5, 2, 6]
+    assert np.any(np.diff(recycled) != 1)
+
+
+def test_pool_double_free_raises() -> None:
+    pool = BlockPool(8)
+    ids = pool.allocate(3)
+    pool.free(ids)
+    with pytest.raises(ValueError, match=r"not allocated \(or repeated\): \[1, 2, 3\]"):
+        pool.free(ids)
+    assert pool.num_free == 7
+
+
+def test_pool_repeated_id_in_one_free_raises() -> None:
+    pool = BlockPool(8)
+    pool.allocate(3)
+    with pytest.raises(ValueError, match="freed exactly once"):
+        pool.free([1, 1])
+    assert pool.num_used == 3  # nothing was freed
+
+
+def test_pool_over_allocation_raises() -> None:
+    pool = BlockPool(5)
+    pool.allocate(2)
+    with pytest.raises(ValueError, match="cannot allocate 3 blocks: only 2 of 4 are free"):
+        pool.allocate(3)
+    assert pool.num_free == 2
+
+
+@pytest.mark.parametrize("bad", [1, 0, -3, 2.0])
+def test_pool_size_errors(bad: object) -> None:
+    with pytest.raises(ValueError, match="num_blocks >= 2"):
+        BlockPool(bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2"])
+def test_pool_allocate_count_errors(bad: object) -> None:
+    with pytest.raises(ValueError, match="int n >= 0"):
+        BlockPool(8).allocate(bad)  # type: ignore[arg-type]
+
+
+# -- GroupedBlockIds ---------------------------------------------------------------------------
+
+
+def test_grouped_ids_flat_and_groups() -> None:
+    ids = GroupedBlockIds([[0, 0, 5, 3], [7]], LAYOUT)
+    assert ids.flat.tolist() == [0, 0, 5, 3, 7]
+    assert ids.group_sizes.tolist() == [4, 1]
+    assert ids.groups == [[0, 0, 5, 3], [7]]
+    assert ids.group(1).tolist() == [7]
+    assert ids.unique_ids().tolist() == [3, 5, 7]
+    assert len(ids) == 5 and ids.num_groups == 2
+    with pytest.raises(ValueError):
+        ids.flat[0] = 1  # read-only
+
+
+def test_grouped_ids_empty_groups_and_numpy_input() -> None:
+    ids = GroupedBlockIds([[], np.array([4, 2], dtype=np.int32)], LAYOUT)
+    assert ids.groups == [[], [4, 2]]
+    assert GroupedBlockIds([[], []], LAYOUT).unique_ids().size == 0
+
+
+def test_null_id_may_repeat_across_groups() -> None:
+    ids = GroupedBlockIds([[0, 0, 1], [0, 2]], LAYOUT)
+    assert ids.unique_ids().tolist() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("groups", "exc", "match"),
+    [
+        ([[1, 2]], ValueError, r"expected 2 block-id lists .* got 1; pass \[\] for a group"),
+        ([[1], [2], [3]], ValueError, "expected 2 block-id lists"),
+        ([[1, 16], []], ValueError, r"block id 16 is out of range: ids must be in \[0, 16\)"),
+        ([[1], [-1]], ValueError, r"block id -1 is negative"),
+        ([[3, 4, 3], []], ValueError, "block id 3 appears twice in group 0"),
+        ([[3], [5, 3]], ValueError, r"block id 3 appears in groups \[0, 1\]"),
+        ([[1.5], []], TypeError, "group 0 block ids must be ints"),
+        ([[1], ["2"]], TypeError, "group 1 block ids must be ints"),
+        ([[True], []], TypeError, "must be ints"),
+        ([[1, None], []], TypeError, "must be ints"),
+        ([np.array([1.0]), []], TypeError, "dtype float64"),
+        ("12", TypeError, "sequence of per-group id lists"),
+        (7, TypeError, "sequence of per-group id lists"),
+    ],
+)
+def test_grouped_ids_errors(groups: object, exc: type[Exception], match: str) -> None:
+    with pytest.raises(exc, match=match):
+        GroupedBlockIds(groups, LAYOUT)  # type: ignore[arg-type]
+
+
+# -- sliding-window clip ----------------------------------------------------------------------
+
+
+def test_clip_to_window_keeps_last_33() -> None:
+    lay = preset("gemma-3-1b", num_blocks=1024)
+    fa_ids = list(range(1, 101))
+    groups = [list(range(100 * g + 101, 100 * g + 201)) for g in range(6)] + [fa_ids]
+    clipped = clip_to_window(groups, lay)
+    # window 512, block 16: cdiv(512, 16) + 1 = 33 ids per SW group
+    for g in range(6):
+        assert clipped[g] == groups[g][-33:]
+        assert len(clipped[g]) == 33
+    assert clipped[6] == fa_ids  # full attention kept whole
+
+
+def test_clip_short_and_empty_groups() -> None:
+    lay = preset("gemma-3-1b", num_blocks=64)
+    groups = [[0, 1, 2], [], [], [], [], [], []]
+    assert clip_to_window(groups, lay) == groups
+    with pytest.raises(ValueError, match="expected 7 id lists, got 1"):
+        clip_to_window([[1]], lay)
+
+
+def test_request_blocks_per_group() -> None:
+    lay = preset("gemma-3-1b", num_blocks=64)
+    assert request_blocks(lay, 2000) == [33] * 6 + [125]
+    assert request_blocks(lay, 1) == [1] * 7
