@@ -70,7 +70,10 @@ setup() {
     fi
     "$PY" - <<'EOF'
 import torch
-assert torch.cuda.is_available(), f"torch {torch.__version__} sees no CUDA device"
+assert torch.cuda.is_available(), (
+    f"torch {torch.__version__} sees no CUDA device: no GPU, or a CPU build of torch is "
+    "in the venv (pip keeps it): remove the venv, or pass a CUDA TORCH_SPEC/PIP_ARGS "
+    "(e.g. PIP_ARGS='--index-url https://download.pytorch.org/whl/cu128')")
 print(f"torch {torch.__version__} CUDA {torch.version.cuda} on {torch.cuda.get_device_name()}")
 EOF
 }
@@ -85,7 +88,8 @@ gpu_tests() {
     return "$rc"
 }
 
-bench() { "$PY" -m kvstage.cli bench copy --device cuda "$@"; }
+# an array, not a function: `timeout` runs commands, it cannot call shell functions
+BENCH=("$PY" -m kvstage.cli bench copy --device cuda)
 
 summary() {
     "$PY" - "$OUT_DIR" <<'EOF'
@@ -122,16 +126,16 @@ TORCH_SPEC='$TORCH_SPEC' PIP_ARGS='$PIP_ARGS' setup" || {
     exit 1
 }
 step pytest-gpu 60 bash -c "$(declare -f gpu_tests); PY='$PY' gpu_tests"
-step seed 90 bench --num-layers 16 48 --blocks-per-request 6 --groups 1 2 3 6 \
+step seed 90 "${BENCH[@]}" --num-layers 16 48 --blocks-per-request 6 --groups 1 2 3 6 \
     --direction both --iters "$ITERS" --json "$OUT_DIR/seed.json" --plot "$OUT_DIR/seed.png"
-step scattered 45 bench --ids scattered --blocks-per-request 6 --groups 1 2 3 6 \
+step scattered 45 "${BENCH[@]}" --ids scattered --blocks-per-request 6 --groups 1 2 3 6 \
     --host-layout block_major mirror --direction both --iters "$ITERS" \
     --json "$OUT_DIR/scattered.json"
-step bandwidth 45 bench --blocks-per-request 60 --groups 1 3 --direction both --iters 50 \
+step bandwidth 45 "${BENCH[@]}" --blocks-per-request 60 --groups 1 3 --direction both --iters 50 \
     --json "$OUT_DIR/bandwidth.json"
-step op-counts 45 bench --blocks-per-request 6 --groups 1 2 3 6 --op-counts --memory \
+step op-counts 45 "${BENCH[@]}" --blocks-per-request 6 --groups 1 2 3 6 --op-counts --memory \
     --no-timing --json "$OUT_DIR/op_counts.json"
-step memory-gemma 45 bench --preset gemma-3-1b --memory --no-timing --direction h2d \
+step memory-gemma 45 "${BENCH[@]}" --preset gemma-3-1b --memory --no-timing --direction h2d \
     --json "$OUT_DIR/memory_gemma.json"
 step summary 20 bash -c "$(declare -f summary); PY='$PY' OUT_DIR='$OUT_DIR' summary"
 

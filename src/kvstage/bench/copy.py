@@ -2,15 +2,14 @@
 
 Reproduces vLLM PR #54483's tables (per_group = before, coalesced = after) and adds
 kvstage's fused strategy plus a plain ``copy_`` of fused's bytes (this machine's copy
-bandwidth). Strategies run interleaved (A B C A B C ...) so a noisy, shared machine
-slows all of them alike; min and median are reported. CUDA loads lazily (``--device``).
+bandwidth). Strategies run interleaved, in rotating order (A B C, B C A, ...), so a
+noisy, shared machine slows all of them alike; min and median are reported. CUDA is
+only touched with ``--device cuda``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,11 +24,14 @@ from kvstage.bench.report import (
     cuda_peak_bytes,
     format_bytes,
     machine_info,
+    make_timer,
+    pivot,
     plot_lines,
     print_table,
     profiler_counts,
     ratio,
     summarize_ns,
+    time_interleaved,
     write_json,
 )
 from kvstage.blocks import BlockPool, GroupedBlockIds, clip_to_window, request_blocks
@@ -85,7 +87,8 @@ def add_copy_arguments(parser: argparse.ArgumentParser) -> None:
     a("--quick", action="store_true", help="a few seconds: CI smoke and demo")
     a("--seed", type=int, default=0)
     a("--threads", type=_positive_int, default=None,
-      help="torch intra-op threads (default: torch's); 1 is steadier on a shared machine")
+      help="torch intra-op threads (default: torch's; 1 with --quick); 1 is steadier "
+      "on a shared machine")
     parser.set_defaults(_parser=parser)
 
 
@@ -96,6 +99,12 @@ def _resolve(args: argparse.Namespace) -> None:
         if args.groups or args.num_layers:
             err("--groups/--num-layers do not apply with --preset: the model fixes them")
         args.prompt_tokens = args.prompt_tokens or DEFAULT_PROMPTS
+        probe = preset(args.preset, num_blocks=2)
+        need = probe.num_groups * cdiv(max(args.prompt_tokens), probe.spec.block_size) + 1
+        if args.num_blocks is not None and args.num_blocks < need:
+            err(f"--num-blocks {args.num_blocks} cannot hold a {max(args.prompt_tokens)}-token "
+                f"prompt of {args.preset}: every group allocates before SW clipping; "
+                f"pass >= {need} or leave it out")
     else:
         if args.prompt_tokens:
             err("--prompt-tokens needs --preset (synthetic requests use --blocks-per-request)")
@@ -263,26 +272,6 @@ class Bench:
         return bool(torch.equal(got, want))
 
 
-def _timer(cuda: bool) -> Callable[[Callable[[], Any]], int]:
-    """Nanoseconds of one call: perf_counter_ns on CPU, CUDA events and one synchronize
-    per measured request on CUDA (what a caller waiting on the copy sees)."""
-    if not cuda:
-        def cpu(fn: Callable[[], Any]) -> int:
-            t0 = time.perf_counter_ns()
-            fn()
-            return time.perf_counter_ns() - t0
-        return cpu
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def gpu(fn: Callable[[], Any]) -> int:
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return int(start.elapsed_time(end) * 1e6)
-    return gpu
-
-
 def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Interleaved timings of every variant, the memcpy row and fused's planning alone."""
     layout, ids, plan = bench.case.layout, bench.ids, bench.plan
@@ -292,20 +281,9 @@ def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> l
     verified = {name: bench.verify(name, direction) for name in bench.variants}
     nbytes = {name: bench.variants[name][0].copy(ids, direction).nbytes for name in bench.variants}
     nbytes["memcpy"] = plan.nbytes
-    timers = dict.fromkeys(fns, _timer(bench.cuda))
-    timers["fused plan"] = _timer(False)  # host-only numpy work: wall clock, not events
-    samples: dict[str, list[int]] = {name: [] for name in fns}
-    gc_was = gc.isenabled()
-    gc.disable()  # a collection inside one strategy's sample would bias it
-    try:
-        for it in range(args.warmup + args.iters):
-            for name, fn in fns.items():
-                ns = timers[name](fn)
-                if it >= args.warmup:
-                    samples[name].append(ns)
-    finally:
-        if gc_was:
-            gc.enable()
+    timers = dict.fromkeys(fns, make_timer(cuda=bench.cuda))
+    timers["fused plan"] = make_timer(cuda=False)  # host-only numpy work: wall clock
+    samples = time_interleaved(fns, timers, warmup=args.warmup, iters=args.iters)
     rows = []
     for name, fn_samples in samples.items():
         stats = summarize_ns(fn_samples)
@@ -326,8 +304,11 @@ def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> l
 
 def run_copy(args: argparse.Namespace) -> int:
     _resolve(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    # --quick pins one thread: with the cores oversubscribed, torch's OpenMP barriers can
+    # stall an op for milliseconds (measured: 8 ms per index op with 2 threads, load 3)
+    threads = args.threads or (1 if args.quick else None)
+    if threads:
+        torch.set_num_threads(threads)
     cases = build_cases(args)
     directions = [Direction.D2H, Direction.H2D] if args.direction == "both" else [
         Direction(args.direction)]
@@ -467,22 +448,13 @@ def _us(v: float) -> str:
     return f"{v:.1f}" if v < 1000 else f"{v:.0f}"
 
 
-def _pivot(rows: list[dict[str, Any]], keys: tuple[str, ...], col: str, val: Callable[
-        [dict[str, Any]], Any]) -> list[dict[str, Any]]:
-    out: dict[tuple[Any, ...], dict[str, Any]] = {}
-    for r in rows:
-        k = tuple(r.get(x) for x in keys)
-        out.setdefault(k, {x: r.get(x) for x in keys})[r[col]] = val(r)
-    return list(out.values())
-
-
 def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
                  ops: list[dict[str, Any]], memory: list[dict[str, Any]]) -> None:
     md = args.markdown
     case = Column("case", "case", align="<")
     fused = next((r["strategy"] for r in timings if r["strategy"].startswith("fused")), "fused")
     if timings:
-        summary = _pivot(timings, ("case", "direction"), "strategy", lambda r: r["median_us"])
+        summary = pivot(timings, ("case", "direction"), "strategy", lambda r: r["median_us"])
         for r in summary:
             r["saved"] = ratio(r.get("per_group", 0) - r.get("coalesced", 0), r.get("per_group"))
             r["x_fused"] = ratio(r.get("coalesced"), r.get(fused))
@@ -490,13 +462,17 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
             # planning is numpy on the host; a caller can overlap it (estimate: medians)
             exec_us = r[fused] - r["fused plan"] if fused in r and "fused plan" in r else None
             r["x_exec"] = ratio(r.get("coalesced"), exec_us)
+        present = list(dict.fromkeys(r["strategy"] for r in timings))
         cols = [case, Column("direction", "dir", align="<")]
-        cols += [Column(s, f"{s} us", _us) for s in (*STRATEGIES[:2], fused, "memcpy")]
-        cols += [Column("saved", "PR saved", "{:.1%}"), Column("x_fused", "fused vs coalesced",
-                 "{:.1f}x"), Column("fused plan", "fused plan us", _us),
-                 Column("x_exec", "excl. plan", "{:.1f}x"),
-                 Column("bw", "fused % memcpy BW", "{:.0%}")]
-        title = f"Latency per request, median of {args.iters} ({args.device}, {args.ids} ids)"
+        cols += [Column(s, f"{s} us", _us) for s in present]
+        if "per_group" in present and "coalesced" in present:
+            cols.append(Column("saved", "PR saved", "{:.1%}"))
+        if "coalesced" in present:
+            cols += [Column("x_fused", "fused vs coalesced", "{:.1f}x"),
+                     Column("x_exec", "excl. plan", "{:.1f}x")]
+        cols.append(Column("bw", "fused % memcpy BW", "{:.0%}"))
+        note = f"; fused = {fused}" if fused != "fused" else ""
+        title = f"Latency per request, median of {args.iters} ({args.device}, {args.ids} ids{note})"
         print_table(summary, cols, markdown=md, title=title)
         detail = [Column("strategy", align="<"), Column("blocks"), Column("runs"),
                   Column("descriptors", "descs"), Column("nbytes", "moved", format_bytes),
@@ -507,10 +483,10 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
                     title="All timings (GB/s = bytes moved / median)")
     if ops:
         shown = {r["op"] for r in ops if r["profiler"] or r["opcounter"] or r["expected"]}
-        pivot = _pivot([r for r in ops if r["op"] in shown], ("groups", "direction", "op"),
+        wide = pivot([r for r in ops if r["op"] in shown], ("groups", "direction", "op"),
                        "strategy", lambda r: "/".join("-" if v is None else str(v) for v in (
                            r["profiler"], r["opcounter"])))
-        for p in pivot:
+        for p in wide:
             flags = [r for r in ops if (r["groups"], r["direction"], r["op"]) == (
                 p["groups"], p["direction"], p["op"])]
             agree = [r["agree"] for r in flags if r["agree"] is not None]
@@ -521,12 +497,12 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
         cols = [Column("groups"), Column("direction", "dir", align="<"),
                 Column("op", "operation", align="<"), *(Column(n) for n in names),
                 Column("agree", "profiler = OpCounter"), Column("expected", "= expected")]
-        print_table(pivot, cols, markdown=md,
+        print_table(wide, cols, markdown=md,
                     title="Device ops per request (torch.profiler / kvstage OpCounter)")
     if memory:
-        pivot = _pivot(memory, ("case", "direction", "blocks_per_group", "request_bytes"),
+        wide = pivot(memory, ("case", "direction", "blocks_per_group", "request_bytes"),
                        "strategy", lambda r: r["peak_temp_bytes"])
-        for p in pivot:
+        for p in wide:
             p["bounded"] = all(r["bounded"] for r in memory if r["bounded"] is not None and (
                 r["case"], r["direction"]) == (p["case"], p["direction"]))
         strategies = list(dict.fromkeys(r["strategy"] for r in memory))
@@ -535,10 +511,10 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
                 Column("request_bytes", "request", format_bytes),
                 *(Column(s, fmt=format_bytes) for s in strategies),
                 Column("bounded", f"staged <= {format_bytes(args.max_temp_bytes)} + 1 block")]
-        print_table(pivot, cols, markdown=md, title="Peak temporary bytes per request (OpCounter)")
+        print_table(wide, cols, markdown=md, title="Peak temporary bytes per request (OpCounter)")
         if args.device == "cuda":
             cuda_cols = [case, Column("direction", "dir", align="<"),
                          *(Column(s, fmt=format_bytes) for s in strategies)]
-            print_table(_pivot(memory, ("case", "direction"), "strategy",
+            print_table(pivot(memory, ("case", "direction"), "strategy",
                                lambda r: r["cuda_peak_bytes"]), cuda_cols, markdown=md,
                         title="Peak CUDA allocator bytes per request (max_memory_allocated)")

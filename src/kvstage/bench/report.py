@@ -8,6 +8,7 @@ inside `plot_lines` (with the Agg backend) so a headless run without it still wo
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import platform
@@ -85,6 +86,17 @@ def print_table(
     print(flush=True)
 
 
+def pivot(
+    rows: Iterable[Row], keys: Sequence[str], col: str, value: Callable[[Row], Any]
+) -> list[dict[str, Any]]:
+    """Long rows -> wide rows: one per distinct ``keys``, one column per ``row[col]``."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in rows:
+        k = tuple(r.get(x) for x in keys)
+        out.setdefault(k, {x: r.get(x) for x in keys})[r[col]] = value(r)
+    return list(out.values())
+
+
 def summarize_ns(samples_ns: Sequence[int]) -> dict[str, float]:
     """min / median / mean in microseconds of per-iteration nanosecond timings."""
     if not samples_ns:
@@ -95,6 +107,54 @@ def summarize_ns(samples_ns: Sequence[int]) -> dict[str, float]:
         "mean_us": statistics.fmean(samples_ns) / 1e3,
         "samples": len(samples_ns),
     }
+
+
+Timer = Callable[[Callable[[], Any]], int]
+
+
+def make_timer(*, cuda: bool) -> Timer:
+    """Nanoseconds of one call: perf_counter_ns, or on CUDA a pair of events and one
+    synchronize per call (the latency a caller waiting on the result sees)."""
+    if not cuda:
+        def wall(fn: Callable[[], Any]) -> int:
+            t0 = time.perf_counter_ns()
+            fn()
+            return time.perf_counter_ns() - t0
+        return wall
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def events(fn: Callable[[], Any]) -> int:
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return int(start.elapsed_time(end) * 1e6)  # ms -> ns
+    return events
+
+
+def time_interleaved(
+    fns: Mapping[str, Callable[[], Any]], timers: Mapping[str, Timer], *, warmup: int,
+    iters: int,
+) -> dict[str, list[int]]:
+    """``warmup`` + ``iters`` rounds, every function once per round; the first ``warmup``
+    rounds are dropped. Interleaving makes a noisy, shared machine slow every function
+    alike; the order rotates (A B C, B C A, C A B, ...) because on a CPU a function pays
+    for the dirty cache lines its predecessor left, which a fixed order charges to one."""
+    names = list(fns)
+    samples: dict[str, list[int]] = {name: [] for name in names}
+    gc_was = gc.isenabled()
+    gc.disable()  # a collection inside one function's sample would bias it
+    try:
+        for it in range(warmup + iters):
+            k = it % len(names)
+            for name in names[k:] + names[:k]:
+                ns = timers[name](fns[name])
+                if it >= warmup:
+                    samples[name].append(ns)
+    finally:
+        if gc_was:
+            gc.enable()
+    return samples
 
 
 def _cpu_model() -> str:
