@@ -217,6 +217,8 @@ class DecodeWorker:
             started = time.monotonic()
             handle = self.transport.read(remote.peer, local_d, remote_d, remote_rid.encode())
         except Exception as exc:  # every failure ends as a failed request, never a crash
+            if isinstance(exc, TransportError):
+                self._forget((remote_addr[0], remote_addr[1]))
             return self._fail(result, f"{type(exc).__name__}: {exc}")
         budget = min(self.read_timeout_s, lease.remaining_s)
         self._pending[request_id] = _Pending(
@@ -252,8 +254,16 @@ class DecodeWorker:
             else:
                 if state is TransferState.PENDING:
                     why = f"READ timed out after {now - p.started:.2f} s"
+                self._forget((p.remote.host, p.remote.port), p.remote)
                 ended.append(self._fail(p.result, why, handle=p.handle))
         return ended
+
+    def _forget(self, key: tuple[str, int], remote: Remote | None = None) -> None:
+        """Drop a cached handshake after a READ failed in the transport: the prefill may
+        have restarted on the same address with a new agent, and a cached Remote would
+        send every later READ to the dead one. The next request handshakes again."""
+        if remote is None or self._remotes.get(key) is remote:
+            self._remotes.pop(key, None)
 
     def wait(self, request_id: str, timeout_s: float) -> RequestResult:
         """Poll until ``request_id`` ends or ``timeout_s`` passes (then it is failed)."""

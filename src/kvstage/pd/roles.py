@@ -23,8 +23,9 @@ from typing import TextIO
 from kvstage.host_buffer import HostLayout
 from kvstage.layout import PRESETS, KVLayout, preset
 from kvstage.pd import messages as m
+from kvstage.pd import multihost
 from kvstage.pd.decode import DecodeWorker
-from kvstage.pd.handshake import parse_address
+from kvstage.pd.handshake import HandshakeTimeout, PeerError, parse_address
 from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import DEFAULT_LEASE_S, PrefillWorker
 
@@ -65,14 +66,21 @@ def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of the side channel (port 0 picks a free one)")
     p.add_argument("--lease-s", type=_positive(float, "--lease-s"), default=DEFAULT_LEASE_S)
     add_layout_arguments(p)
+    multihost.add_ucx_arguments(p)
 
 
 def run_prefill(args: argparse.Namespace) -> int:
     host, port = parse_address(args.listen)
-    worker = PrefillWorker(
-        layout_from_args(args), host=host, port=port, device=args.device,
-        host_layout=HostLayout(args.host_layout), lease_s=args.lease_s, transport=args.transport,
-    )
+    ucx = multihost.setup_ucx(args, host)
+    try:
+        worker = PrefillWorker(
+            layout_from_args(args), host=host, port=port, device=args.device,
+            host_layout=HostLayout(args.host_layout), lease_s=args.lease_s,
+            transport=args.transport,
+        )
+    except (OSError, RuntimeError, ValueError) as exc:
+        print(f"kvstage prefill: cannot start on {args.listen} ({ucx}): {exc}", file=sys.stderr)
+        return multihost.EXIT_UNUSABLE_PEER
 
     def stop(signum: int, _frame: FrameType | None) -> None:
         worker.stop()
@@ -84,6 +92,7 @@ def run_prefill(args: argparse.Namespace) -> int:
     print(f"kvstage prefill listening on {h}:{p} engine={worker.engine_id} preset={lay.name} "
           f"groups={lay.num_groups} tensors={lay.num_tensors} blocks={lay.num_blocks} "
           f"host={worker.host.nbytes >> 20} MiB", flush=True)
+    print(f"kvstage prefill {ucx}", flush=True)
     try:
         worker.serve_forever()
     finally:
@@ -151,7 +160,8 @@ def _blocks(ids: list[list[int]]) -> str:
     return "[" + ", ".join(out) + "]"
 
 
-def print_rows(rows: list[Row], file: TextIO = sys.stdout) -> None:
+def print_rows(rows: list[Row], file: TextIO | None = None) -> None:
+    file = file or sys.stdout  # at call time: sys.stdout may have been replaced
     head = (f"{'request':<14}{'layout':<14}{'tokens':>7} {'blocks/group':<16}{'MiB':>8}{'descs':>6}"
             f"{'d2h ms':>8}{'READ ms':>9}{'h2d ms':>8}{'READ GB/s':>10}  result")
     print(head, file=file)
@@ -162,7 +172,8 @@ def print_rows(rows: list[Row], file: TextIO = sys.stdout) -> None:
               f"{r.gbps:>10.2f}  {verdict}", file=file)
 
 
-def print_summary(rows: list[Row], file: TextIO = sys.stdout) -> None:
+def print_summary(rows: list[Row], file: TextIO | None = None) -> None:
+    file = file or sys.stdout  # at call time: sys.stdout may have been replaced
     ok = [r for r in rows if r.verified]
     print(f"\n{len(ok)}/{len(rows)} requests verified byte-exact", file=file)
     if not ok:
@@ -188,27 +199,75 @@ def add_decode_arguments(p: argparse.ArgumentParser) -> None:
                    default=5.0)
     p.add_argument("--json", default=None, help="write the rows as JSON here")
     add_layout_arguments(p)
+    multihost.add_ucx_arguments(p)
+
+
+def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:
+    return Row(rid, layout, tokens, "-", 0, 0, 0.0, 0.0, 0.0, status, False, reason)
+
+
+def _abort_in_flight(worker: DecodeWorker, addr: tuple[str, int], rid: str, why: str) -> str:
+    """Abort ``rid`` here and at the prefill (which then frees its blocks, not at lease end)."""
+    try:
+        worker.abort(rid, reason=why)  # also asks the prefill to release
+        return "READ aborted, prefill asked to release its blocks"
+    except ValueError:  # not pending here: between steps; make sure prefill lets go
+        try:
+            worker.client(*addr).call(m.Release(request_id=rid), timeout_s=1.0)
+            return "prefill released its blocks"
+        except (HandshakeTimeout, PeerError, ValueError):
+            return "prefill holds nothing for it (or frees it when its lease ends)"
 
 
 def run_decode(args: argparse.Namespace) -> int:
     addr = parse_address(args.connect)
     layout = layout_from_args(args)
     rows: list[Row] = []
-    with DecodeWorker(
-        layout, device=args.device, host_layout=HostLayout(args.host_layout),
-        transport=args.transport, read_timeout_s=args.read_timeout_s,
-        handshake_timeout_s=args.handshake_timeout_s,
-    ) as worker:
+    try:
+        multihost.probe(*addr, timeout_s=min(args.handshake_timeout_s, multihost.PROBE_TIMEOUT_S))
+    except multihost.PeerUnavailable as exc:
+        print(f"kvstage decode: {exc}", file=sys.stderr)
+        return multihost.EXIT_UNUSABLE_PEER
+    ucx = multihost.setup_ucx(args, addr[0])
+    print(f"kvstage decode -> {args.connect} preset={layout.name} blocks={layout.num_blocks} "
+          f"{ucx}", flush=True)
+    rid, tokens = "", 0
+    with multihost.signals_raise():
         try:
-            worker.connect(*addr)
-        except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
-            print(f"kvstage decode: cannot use prefill at {args.connect}: {exc}", file=sys.stderr)
-            return 2
-        tag = f"{int(time.time() * 1000) % 10**8:08d}"
-        for i in range(args.requests):
-            tokens = args.prompt_tokens[i % len(args.prompt_tokens)]
-            rows.append(run_one(worker, addr, f"d{tag}-{i}", tokens, seed=i + 1,
-                                timeout_s=args.read_timeout_s))
+            worker = DecodeWorker(
+                layout, device=args.device, host_layout=HostLayout(args.host_layout),
+                transport=args.transport, read_timeout_s=args.read_timeout_s,
+                handshake_timeout_s=args.handshake_timeout_s,
+            )
+        except (OSError, RuntimeError, ValueError) as exc:
+            print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",
+                  file=sys.stderr)
+            return multihost.EXIT_UNUSABLE_PEER
+        with worker:
+            try:
+                worker.connect(*addr)
+            except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
+                print(f"kvstage decode: {multihost.explain(exc, args.connect)}", file=sys.stderr)
+                return multihost.EXIT_UNUSABLE_PEER
+            tag = f"{int(time.time() * 1000) % 10**8:08d}"
+            try:
+                for i in range(args.requests):
+                    tokens = args.prompt_tokens[i % len(args.prompt_tokens)]
+                    rid = f"d{tag}-{i}"
+                    try:
+                        row = run_one(worker, addr, rid, tokens, seed=i + 1,
+                                      timeout_s=args.read_timeout_s)
+                    except (HandshakeTimeout, PeerError, ValueError, OSError) as exc:
+                        row = _failed_row(layout.name, rid, tokens, "failed", str(exc))
+                    rows.append(row)
+            except multihost.Interrupted as sig:
+                how = _abort_in_flight(worker, addr, rid, f"interrupted by {sig.name}")
+                rows.append(_failed_row(layout.name, rid, tokens, "aborted", sig.name))
+                print_rows(rows)
+                print(f"\nkvstage decode: {sig.name}: stopped after {len(rows) - 1}/"
+                      f"{args.requests} requests; request {rid} aborted ({how})",
+                      file=sys.stderr)
+                return 128 + sig.signum
     print_rows(rows)
     print_summary(rows)
     if args.json:

@@ -19,6 +19,21 @@ nixl-cu12 1.5.1 between two processes on one host:
 - ``UCX_NET_DEVICES=lo``: tcp (wire-up, notifications) stays on 127.0.0.1 instead of
   whatever NIC the host has. Across hosts, pass ``ucx_env={}`` and set the device.
 
+Across hosts (the role commands ``kvstage prefill --listen`` / ``kvstage decode
+--connect`` choose with ``kvstage.transport.ucx_env`` before building the transport;
+the environment's UCX_* win, then ``--ucx-tls`` / ``--ucx-net-devices``): a loopback
+address keeps the settings above; any other address gets ``UCX_TLS=tcp`` and
+``UCX_NET_DEVICES=<the interface that owns or routes to it>`` (``all`` for 0.0.0.0).
+Measured between two network namespaces on one host joined by a veth pair (UCX 1.23
+in nixl-cu12 1.5.1): with ``lo`` on both sides ``add_peer`` fails, "Destination is
+unreachable" (NIXL_ERR_BACKEND); with ``tcp,sm,self,cma`` on ``all`` it works but the
+READ goes by ``cma/memory`` and never crosses the link (one kernel, one PID
+namespace); with ``tcp`` on the veth the READ is ``software emulation tcp/<veth>``:
+about 0.5-1 GB/s on a 2-core host. Each agent listens on one UCX TCP port per UCX
+worker (3 with ``num_threads=2``), ephemeral unless ``UCX_TCP_PORT_RANGE`` is set;
+decode connects to prefill's. A link cut mid-READ leaves it PROC (TCP just stalls): it
+ends at the reader's own deadline, not with an error from UCX.
+
 Behaviour worth knowing (measured): with CMA, ``transfer`` copies inside the call, so
 ``read`` returns after the bytes moved (~14 ms for 64 MiB) and the first ``poll`` says
 DONE; the first READ to a new peer costs 15-35 ms of connection set-up. A READ outside
@@ -213,7 +228,10 @@ class NixlTransport(ClosingContext):
                 "NIXL could not load peer metadata",
                 e,
                 "Pass the peer's metadata() bytes unchanged (NIXL_ERR_MISMATCH means "
-                "they are not NIXL agent metadata or come from another NIXL version).",
+                "they are not NIXL agent metadata or come from another NIXL version; "
+                "NIXL_ERR_BACKEND with 'Destination is unreachable' logged means no UCX "
+                "device here reaches the peer's: set UCX_NET_DEVICES/UCX_TLS, see "
+                "kvstage.transport.ucx_env).",
             ) from e
         name = name.decode() if isinstance(name, bytes) else str(name)
         st.peers.add(name)

@@ -1,0 +1,126 @@
+"""What the role commands need across machines: UCX settings from the address, a reachability
+probe with a verdict a person can act on, and signals turned into a clean exit.
+
+Used by ``kvstage prefill``, ``kvstage decode`` (``kvstage.pd.roles``) and
+``kvstage bench transfer``; imports no NIXL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import signal
+import socket
+from collections.abc import Iterator
+from types import FrameType
+
+from kvstage.pd.handshake import HandshakeTimeout, PeerError
+from kvstage.transport import ucx_env
+from kvstage.transport.base import TransportError
+
+EXIT_UNUSABLE_PEER = 2
+PROBE_TIMEOUT_S = 3.0
+
+
+def add_ucx_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ucx-tls", default=None,
+                   help="UCX_TLS for this process (default: from the address; the "
+                        "environment's UCX_TLS wins)")
+    p.add_argument("--ucx-net-devices", default=None,
+                   help="UCX_NET_DEVICES for this process, e.g. eth0 or all (default: the "
+                        "interface that carries the address; the environment's wins)")
+
+
+def setup_ucx(args: argparse.Namespace, host: str) -> str:
+    """Apply the UCX choice for ``host`` (nixl transport only); returns what was chosen."""
+    if args.transport != "nixl":
+        return "ucx: not used (--transport loopback)"
+    choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices)
+    ucx_env.apply(choice)
+    return "ucx: " + choice.describe()
+
+
+class PeerUnavailable(Exception):
+    """The prefill side cannot be used; ``str`` says why and what to do."""
+
+
+def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """TCP-connect to the side channel once, so refused and unreachable read differently."""
+    where = f"{host}:{port}"
+    fix = (f"check the address, that `kvstage prefill --listen {where}` runs there, and that "
+           f"port {port}/tcp (and UCX's ports, README 'Across machines') is open between hosts")
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return
+    except ConnectionRefusedError:
+        raise PeerUnavailable(
+            f"prefill at {where} refused the connection: nothing listens on port {port} "
+            f"there (start `kvstage prefill --listen {where}` on that host, or fix the port)"
+        ) from None
+    except socket.gaierror as exc:
+        raise PeerUnavailable(f"cannot resolve {host!r}: {exc}") from None
+    except TimeoutError:
+        raise PeerUnavailable(
+            f"prefill at {where} is unreachable: no answer to a TCP connect within "
+            f"{timeout_s:.0f} s (link down or packets dropped); {fix}"
+        ) from None
+    except OSError as exc:
+        if exc.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EADDRNOTAVAIL):
+            raise PeerUnavailable(
+                f"prefill at {where} is unreachable: {exc.strerror}; {fix}"
+            ) from None
+        raise PeerUnavailable(f"cannot connect to prefill at {where}: {exc}; {fix}") from None
+
+
+def explain(exc: BaseException, where: str) -> str:
+    """One line for a failed handshake with the prefill at ``where``: which failure, what to do."""
+    text = str(exc)
+    if isinstance(exc, HandshakeTimeout):
+        return (f"prefill at {where} accepted the connection but did not answer: {text}")
+    if "protocol version" in text or "not a kvstage message" in text:
+        return (f"prefill at {where} speaks an incompatible version: {text}. Install the same "
+                "kvstage version on both hosts")
+    if isinstance(exc, ValueError) and "incompatible" in text:
+        return (f"prefill at {where} has an incompatible layout: {text}. Start decode with the "
+                "prefill's --preset, --num-blocks and --host-layout (its 'listening' line "
+                "shows them)")
+    if isinstance(exc, TransportError):
+        return (f"NIXL/UCX cannot reach the prefill at {where}: {text}. The side channel "
+                "answered, so check the UCX device and transports on both sides "
+                "(--ucx-net-devices, --ucx-tls; across hosts: tcp on the interface that "
+                "carries the address) and that UCX's TCP ports are open")
+    if isinstance(exc, PeerError):
+        return f"prefill at {where} refused the handshake: {text}"
+    return f"cannot use prefill at {where}: {type(exc).__name__}: {text}"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread so ``with`` blocks clean up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn the first SIGINT/SIGTERM into ``Interrupted``; a second one gets the default
+    action (so a stuck clean-up can still be killed)."""
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        for s in sigs:
+            signal.signal(s, signal.SIG_DFL)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
