@@ -1,0 +1,95 @@
+"""Short soaks (`kvstage bench soak`): loopback through the CLI, and real NIXL with the
+prefill workers in child processes. The invariants are asserted exactly: every request
+has the outcome its injected fault calls for, completed ones are byte-exact, no block,
+handle or held request is left on either side."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvstage.bench.soak import EXPECTED, FAULT_KINDS, add_soak_arguments, execute
+from kvstage.cli import main as cli_main
+
+HAVE_NIXL = any(importlib.util.find_spec(n) is not None for n in ("nixl_cu12", "nixl"))
+
+
+def soak_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_soak_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def assert_invariants(rep: dict[str, Any], requests: int) -> None:
+    assert rep["broken"] == []
+    assert rep["requests"] == requests
+    outcomes = rep["outcomes"]
+    assert sum(outcomes.values()) == requests  # every request accounted for
+    assert "unfinished" not in outcomes and "corrupt" not in outcomes
+    assert "other_failure" not in outcomes and "transport_error" not in outcomes
+    for fault, counts in rep["by_fault"].items():
+        assert counts == {EXPECTED[fault]: sum(counts.values())}, (fault, counts)
+    assert rep["by_fault"]["none"] == {"completed": rep["by_fault"]["none"]["completed"]}
+    for p in rep["pairs"]:
+        total = p["decode_total"]
+        assert (p["decode_free"], p["prefill_free"]) == (total, total), p
+        assert p["decode_open_handles"] == p["decode_draining"] == p["decode_pending"] == 0, p
+        assert p["prefill_open_handles"] == p["prefill_held_requests"] == 0, p
+        assert p["prefilled"] == p["completed"] + p["released"] + p["expired"], p
+        assert p["prefilled"] > 0, p  # every pair served requests
+    assert set(rep["rss_bytes"]) == {"10%", "50%", "100%"}
+
+
+@pytest.mark.timeout(120)
+def test_soak_loopback_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "soak.json"
+    code = cli_main(["bench", "soak", "--transport", "loopback", "--requests", "150",
+                     "--fault-rate", "0.2", "--seed", "3", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    assert "all invariants hold" in printed
+    rep = json.loads(out.read_text())
+    assert_invariants(rep, 150)
+    assert set(rep["by_fault"]) == {"none", *FAULT_KINDS}  # seed 3 injects every kind
+    assert len(rep["records"]) == 150
+    assert all(r["reason"] for r in rep["records"] if r["outcome"] != "completed")
+    assert rep["config"]["requests"] == 150 and "env" in rep
+
+
+@pytest.mark.nixl
+@pytest.mark.skipif(not HAVE_NIXL, reason="NIXL not installed (kvstage[nixl])")
+@pytest.mark.timeout(300)
+def test_soak_nixl() -> None:
+    # two presets keep CI short: a hybrid one (7 groups) and MLA (one plane)
+    rep = execute(soak_args("--transport", "nixl", "--requests", "60", "--fault-rate", "0.2",
+                            "--seed", "5", "--presets", "gemma-3-1b", "deepseek-v2-lite"))
+    assert_invariants(rep, 60)
+    assert {p["transport"] for p in rep["pairs"]} == {"nixl", "loopback"}
+    faults = set(rep["by_fault"]) - {"none"}
+    assert len(faults) >= 3, rep["by_fault"]
+
+
+@pytest.mark.timeout(60)
+def test_soak_refuses_a_broken_invariant(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself: a decode block that never comes back must fail the run."""
+    from kvstage.pd.decode import DecodeWorker
+
+    real_finish = DecodeWorker.finish
+    leaked: list[str] = []
+
+    def leaky_finish(self: DecodeWorker, request_id: str) -> None:
+        if not leaked:
+            leaked.append(request_id)
+            self._owned.pop(request_id)  # forget the blocks: a leak
+            return
+        real_finish(self, request_id)
+
+    monkeypatch.setattr(DecodeWorker, "finish", leaky_finish)
+    rep = execute(soak_args("--transport", "loopback", "--requests", "30", "--fault-rate", "0",
+                            "--presets", "llama-3.1-8b"))
+    assert leaked and any("decode pool has" in b and "(leak)" in b for b in rep["broken"])
