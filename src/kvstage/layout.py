@@ -178,6 +178,8 @@ class KVLayout:
     cache_layout: CacheLayout = CacheLayout.PACKED
     name: str = ""
     tensors: tuple[PhysicalTensor, ...] = field(init=False, compare=False, repr=False)
+    #: layers per group, in group order (derived; the planner weighs owned slots by it)
+    layers_per_group: tuple[int, ...] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _require_positive("KVLayout", num_blocks=self.num_blocks)
@@ -224,6 +226,9 @@ class KVLayout:
             for t in range(num_tensors)
         )
         object.__setattr__(self, "tensors", tensors)
+        object.__setattr__(
+            self, "layers_per_group", tuple(len(g.layer_names) for g in self.groups)
+        )
 
     # -- derived sizes --------------------------------------------------------------
     @property

@@ -33,12 +33,30 @@ def find_runs(src: np.ndarray, dst: np.ndarray) -> np.ndarray:
         raise ValueError(f"src has {src.size} ids, dst has {dst.size}; they pair one to one")
     if src.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
+    if src is dst or np.array_equal(src, dst):
+        return _runs_of_sorted(np.sort(src))
     order = np.argsort(dst, kind="stable")
     src, dst = src[order], dst[order]
     breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     lengths = np.diff(np.concatenate((starts, [dst.size])))
     return np.stack((src[starts], dst[starts], lengths), axis=1)
+
+
+def _runs_of_sorted(ids: np.ndarray) -> np.ndarray:
+    """Runs of a sorted, non-empty id array copied onto itself (the engine's case: device
+    and host share block ids): one diff, no argsort, no pairing."""
+    is_start = np.empty(ids.size, dtype=bool)
+    is_start[0] = True
+    np.not_equal(ids[1:] - ids[:-1], 1, out=is_start[1:])
+    starts = np.flatnonzero(is_start)
+    lengths = np.empty_like(starts)
+    lengths[:-1] = starts[1:] - starts[:-1]
+    lengths[-1] = ids.size - starts[-1]
+    runs = np.empty((starts.size, 3), dtype=np.int64)
+    runs[:, 0] = runs[:, 1] = ids[starts]
+    runs[:, 2] = lengths
+    return runs
 
 
 def split_runs(runs: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -52,8 +70,12 @@ def split_runs(runs: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"max_len must be >= 1, got {max_len}")
     if runs.shape[0] == 0:
         return np.zeros((0, 4), np.int64), np.zeros((0, 2), np.int64)
-    first = np.concatenate(([0], np.cumsum(runs[:, 2])[:-1]))  # request offset of each run
-    total = int(runs[:, 2].sum())
+    ends = np.cumsum(runs[:, 2])
+    total = int(ends[-1])
+    first = ends - runs[:, 2]  # request offset of each run
+    if total <= max_len:  # one chunk (the common case): the runs are the pieces
+        pieces = np.concatenate((runs, first[:, None]), axis=1)
+        return pieces, np.array([[0, runs.shape[0]]], dtype=np.int64)
     cuts = np.arange(max_len, total, max_len)
     # every run boundary and chunk boundary, as request offsets
     edges = np.union1d(np.concatenate((first, cuts)), [total])
@@ -160,13 +182,12 @@ def plan_copy(
     if not isinstance(max_temp_bytes, int) or max_temp_bytes <= 0:
         raise ValueError(f"max_temp_bytes must be a positive int, got {max_temp_bytes!r}")
     block_ids = ids.unique_ids()
-    runs = find_runs(block_ids, block_ids)
+    runs = _runs_of_sorted(block_ids) if block_ids.size else np.zeros((0, 3), np.int64)
     chunk_blocks = max(1, max_temp_bytes // (layout.block_bytes + INDEX_BYTES))
     pieces, chunks = split_runs(runs, chunk_blocks)
     # a group's real ids are owned once per layer the group has
-    owned = sum(
-        int((ids.group(g.group_id) != 0).sum()) * len(g.layer_names) for g in layout.groups
-    )
+    layers = np.repeat(np.asarray(layout.layers_per_group), ids.group_sizes)
+    owned = int(layers[ids.flat != 0].sum())
     return CopyPlan(
         layout=layout,
         block_ids=block_ids,
