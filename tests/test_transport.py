@@ -619,3 +619,25 @@ def test_nixl_in_flight_read_from_killed_peer(mode: str) -> None:
     finally:
         stop(b)
         stop(a.proc, a.conn)
+
+
+@pytest.mark.timeout(30)
+def test_loopback_notifs_from_other_threads_are_never_lost(pair: LoopPair) -> None:
+    # decode threads notify while prefill drains: every message arrives exactly once
+    per_thread, senders = 5000, 3
+
+    def send(k: int) -> None:
+        for i in range(per_thread):
+            pair.b.send_notif(pair.peer, f"{k}:{i}".encode())
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    got: list[bytes] = []
+    while any(t.is_alive() for t in threads):
+        got.extend(msg for _, msg in pair.a.get_notifs())
+    for t in threads:
+        t.join()
+    got.extend(msg for _, msg in pair.a.get_notifs())
+    assert len(got) == per_thread * senders
+    assert set(got) == {f"{k}:{i}".encode() for k in range(senders) for i in range(per_thread)}

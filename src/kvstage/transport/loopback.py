@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -67,6 +68,8 @@ class LoopbackTransport(ClosingContext):
         self._states: dict[int, TransferState] = {}
         self._reasons: dict[int, str] = {}
         self._inbox: list[tuple[str, bytes]] = []
+        # prefill and decode may poll from different threads (soak, tests)
+        self._inbox_lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
         _AGENTS[name] = self
@@ -138,7 +141,7 @@ class LoopbackTransport(ClosingContext):
                 ctypes.memmove(dst, src, nbytes)
             self._states[handle] = TransferState.DONE
             if not self.drop_notifs:
-                target._inbox.append((self.name, bytes(notif)))
+                target._deliver(self.name, bytes(notif))
         return handle
 
     def poll(self, handle: int) -> TransferState:
@@ -163,11 +166,16 @@ class LoopbackTransport(ClosingContext):
         self._check_open()
         target = self._peer(peer)
         if not self.drop_notifs:
-            target._inbox.append((self.name, bytes(msg)))
+            target._deliver(self.name, bytes(msg))
+
+    def _deliver(self, sender: str, msg: bytes) -> None:
+        with self._inbox_lock:
+            self._inbox.append((sender, msg))
 
     def get_notifs(self) -> list[tuple[str, bytes]]:
         self._check_open()
-        notifs, self._inbox = self._inbox, []
+        with self._inbox_lock:
+            notifs, self._inbox = self._inbox, []
         return notifs
 
     @property
@@ -183,6 +191,7 @@ class LoopbackTransport(ClosingContext):
         self._regions.clear()
         self._tensors.clear()
         self._peers.clear()
-        self._inbox.clear()
+        with self._inbox_lock:
+            self._inbox.clear()
         if _AGENTS.get(self.name) is self:
             del _AGENTS[self.name]
