@@ -4,6 +4,11 @@ timing is asserted: it depends on the machine and whatever else runs on it)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -60,3 +65,56 @@ def test_exact_descriptor_counts(quick: dict[str, Any], ids: str) -> None:
     assert rows["per_block"]["descriptors"] == 2840
     assert rows["one_large"]["descriptors"] == 1
     assert rows["merged"]["verified"] is True and rows["per_block"]["verified"] is True
+
+
+def _listen(num_blocks: int) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "kvstage.cli", "bench", "transfer", "--listen", "127.0.0.1:0",
+           "--preset", "gemma-3-1b", "--num-blocks", str(num_blocks)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    for line in proc.stdout:  # the first line says where it listens (or why it failed)
+        if line.startswith("kvstage prefill listening on "):
+            return proc, line.split()[4]
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"listener did not start: {proc.communicate()[0]}")
+
+
+@pytest.mark.timeout(180)
+def test_listen_connect_split_twice_against_one_listener(tmp_path: Path) -> None:
+    # the two-host form: --listen on the prefill host, --connect on the decode host. A
+    # second run against the same listener works only if the first gave back its blocks.
+    proc, address = _listen(2048)
+    try:
+        for run in range(2):
+            path = tmp_path / f"run{run}.json"
+            argv = ["bench", "transfer", "--connect", address, "--quick", "--json", str(path)]
+            assert main(argv) == 0
+            doc = json.loads(path.read_text())
+            assert doc["config"]["connect"] == address
+            for ids in ("contiguous", "scattered"):
+                rows = _rows(doc, ids)
+                assert rows["merged"]["verified"] is True
+                assert rows["per_block"]["verified"] is True
+                assert rows["merged"]["nbytes"] == BLOCKS * GEMMA.block_bytes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "held_at_stop=0" in out, out  # every request of both runs was released
+
+
+@pytest.mark.timeout(60)
+def test_connect_refused_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["bench", "transfer", "--connect", f"127.0.0.1:{port}", "--quick"]) == 2
+    assert "refused" in capsys.readouterr().err
+
+
+def test_listen_and_connect_together_are_refused() -> None:
+    with pytest.raises(SystemExit, match="pass one of them"):
+        main(["bench", "transfer", "--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"])

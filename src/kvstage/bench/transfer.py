@@ -1,9 +1,12 @@
 """`kvstage bench transfer`: NIXL READ of one request, merged runs vs per-block descriptors.
 
-Two processes on 127.0.0.1: a `kvstage prefill` child (`PrefillProcess`) holds a
-registered block-major host buffer and prefills the request (so the bytes read are the
-verifiable pattern); this process registers its own host buffer and READs the same
-request three ways, over the same two buffers:
+Two processes: a `kvstage prefill` worker holds a registered block-major host buffer and
+prefills the request (so the bytes read are the verifiable pattern); this process
+registers its own host buffer and READs the same request three ways, over the same two
+buffers. By default the prefill is a child on 127.0.0.1 (`PrefillProcess`); across
+machines run ``kvstage bench transfer --listen HOST:PORT`` on the prefill host and
+``kvstage bench transfer --connect HOST:PORT`` on the decode host (the same preset and
+``--num-blocks`` on both). The methods:
 
 - ``merged``: kvstage's descriptors, one per run of blocks (block-major host layout);
 - ``per_block``: one per (tensor, plane, block), vLLM's granularity (one descriptor per
@@ -21,7 +24,9 @@ as in vLLM's free queue). ``merged`` and ``per_block`` are verified byte-exact o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -35,8 +40,9 @@ from kvstage.engine import CopyEngine
 from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
 from kvstage.layout import PRESETS, KVLayout, preset
 from kvstage.pd import messages as m
+from kvstage.pd import multihost
 from kvstage.pd.decode import pair_runs
-from kvstage.pd.handshake import SideChannelClient
+from kvstage.pd.handshake import SideChannelClient, parse_address
 from kvstage.pd.pattern import verify_request
 from kvstage.transport.base import TransferState, Transport, wait
 
@@ -48,6 +54,8 @@ CHURN_FREE = 0.55
 CHURN_TOKENS = (16, 160)  # prefill churn requests: 1..10 blocks per group
 READ_TIMEOUT_S = 30.0
 NOTIF = b"kvstage-bench-transfer"  # not a request id: prefill counts it as unknown
+# the bench holds its request for every iteration: a lease that outlives any run
+BENCH_LEASE_S = 3600.0
 
 
 def _positive_int(text: str) -> int:
@@ -73,6 +81,11 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
     a("--markdown", action="store_true", help="print the table as GitHub markdown")
     a("--quick", action="store_true", help="3 iterations, 1 warm-up: CI smoke")
     a("--seed", type=int, default=0, help="churn randomness")
+    a("--listen", default=None, metavar="HOST:PORT",
+      help="serve the prefill side here until stopped (run --connect on the other host)")
+    a("--connect", default=None, metavar="HOST:PORT",
+      help="measure against a `bench transfer --listen` prefill there, not a local child")
+    multihost.add_ucx_arguments(parser)
 
 
 def _churn_local(layout: KVLayout, seed: int) -> BlockPool:
@@ -100,10 +113,20 @@ class Bench:
         self.host = HostBuffer(self.layout, HostLayout.BLOCK_MAJOR)
         self.cache = KVCache(self.layout, "cpu")
         self.engine = CopyEngine(self.cache, self.host)
-        self.proc = PrefillProcess(args.preset, args.num_blocks, "nixl", lease_s=3600.0)
+        self.proc: PrefillProcess | None = None
+        if args.connect:
+            self.address = parse_address(args.connect)
+            multihost.probe(*self.address)  # refused / unreachable: a clear error, no wait
+        else:
+            self.proc = PrefillProcess(args.preset, args.num_blocks, "nixl",
+                                       lease_s=BENCH_LEASE_S)
+            self.address = self.proc.address
+        self.ucx = multihost.setup_ucx(args, self.address[0])
         self.transport: Transport | None = None
+        self.held: set[str] = set()  # request ids prefill holds for us: released at close
+        self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: ids unique per run
         try:
-            self.client = SideChannelClient(*self.proc.address, timeout_s=30.0)
+            self.client = SideChannelClient(*self.address, timeout_s=30.0)
             from kvstage.transport.factory import make_transport
 
             self.transport = make_transport("nixl", f"bench-{uuid.uuid4().hex[:8]}")
@@ -120,16 +143,26 @@ class Bench:
             raise
 
     def close(self) -> None:
+        if self.proc is None:  # a remote listener: give back what this run holds there
+            for rid in sorted(self.held):
+                with contextlib.suppress(Exception):
+                    self.release(rid)
         if self.transport is not None:
             self.transport.close()
-        self.proc.stop()
+        if self.proc is not None:
+            self.proc.stop()
 
     def prefill(self, rid: str, tokens: int, seed: int) -> list[list[int]]:
+        rid = f"{rid}-{self.tag}"
         done = self.client.call(m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
-        assert isinstance(done, m.PrefillDone)
+        if not isinstance(done, m.PrefillDone):
+            raise RuntimeError(f"prefill refused request {rid!r}: {done}")
+        self.held.add(rid)
         return done.block_ids
 
     def release(self, rid: str) -> None:
+        rid = rid if rid.endswith(f"-{self.tag}") else f"{rid}-{self.tag}"
+        self.held.discard(rid)
         self.client.call(m.Release(request_id=rid))
 
     # -- descriptor lists -----------------------------------------------------------------
@@ -265,7 +298,26 @@ COLUMNS = [
 ]
 
 
+def _serve(args: argparse.Namespace) -> int:
+    """``--listen``: the prefill role with the bench's layout and a lease that outlives it."""
+    from kvstage.pd.roles import run_prefill
+
+    ns = argparse.Namespace(
+        listen=args.listen, lease_s=BENCH_LEASE_S, preset=args.preset,
+        num_blocks=args.num_blocks, host_layout=HostLayout.BLOCK_MAJOR.value, device="cpu",
+        transport="nixl", ucx_tls=args.ucx_tls, ucx_net_devices=args.ucx_net_devices,
+    )
+    return run_prefill(ns)
+
+
 def run_transfer(args: argparse.Namespace) -> int:
+    if args.listen and args.connect:
+        raise SystemExit("--listen serves the prefill side and --connect measures against "
+                         "one: pass one of them (or neither, for a local child)")
+    args.transport = "nixl"  # multihost.setup_ucx reads it
+    if args.listen:
+        parse_address(args.listen)
+        return _serve(args)
     if args.quick:
         args.iters = args.iters or 3
         args.warmup = 1 if args.warmup is None else args.warmup
@@ -274,13 +326,19 @@ def run_transfer(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise SystemExit("--warmup must be >= 0")
     modes = list(ID_MODES) if args.ids == "both" else [args.ids]
-    bench = Bench(args)
+    try:
+        bench = Bench(args)
+    except multihost.PeerUnavailable as exc:
+        print(f"kvstage bench transfer: {exc}", file=sys.stderr)
+        return multihost.EXIT_UNUSABLE_PEER
     try:
         lay = bench.layout
+        where = (f"from {args.connect}" if args.connect
+                 else "between two processes on 127.0.0.1")
         print(f"kvstage bench transfer: {lay.name} ({lay.num_groups} groups, "
               f"{lay.num_tensors} tensors x {lay.num_planes} plane, "
               f"{format_bytes(lay.block_bytes)} per block), {args.tokens}-token request, "
-              f"NIXL READ between two processes on 127.0.0.1; median of {args.iters} "
+              f"NIXL READ {where} ({bench.ucx}); median of {args.iters} "
               f"interleaved iterations after {args.warmup} warm-up\n", flush=True)
         rows: list[dict[str, Any]] = []
         for i, mode in enumerate(modes):
