@@ -108,6 +108,9 @@ def test_plan_chunk_blocks_from_budget() -> None:
     assert small.staging_bytes == 3 * (64 * KIB + INDEX_BYTES)
     tiny = plan_copy(GEMMA, GroupedBlockIds(GEMMA_IDS, GEMMA), max_temp_bytes=1)
     assert tiny.chunk_blocks == 1 and tiny.num_chunks == 15  # never 0 blocks per chunk
+    for p in (plan, small, tiny):  # num_chunks needs no split; the lazy split agrees
+        assert p.chunks.shape[0] == p.num_chunks
+        assert int(p.pieces[:, 2].sum()) == p.num_blocks
 
 
 @pytest.mark.parametrize("name", ["gemma-3-1b", "llama-3.1-8b", "gpt-oss-20b", "deepseek-v2-lite"])

@@ -10,6 +10,7 @@ layer in tensor 3) are copied too; no layer reads them, so that costs bytes only
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,17 +98,30 @@ class CopyPlan:
 
     ``block_ids``: sorted unique non-null ids, ``[num_blocks_moved]``.
     ``runs``: ``[num_runs, 3]`` (src_start, dst_start, length).
-    ``pieces``/``chunks``: the runs cut under ``max_temp_bytes`` for staged gathers.
+    ``pieces``/``chunks``: the runs cut under ``max_temp_bytes`` for staged gathers,
+    computed on first use (a direct copy, the CPU path, never needs them).
     """
 
     layout: KVLayout
     block_ids: np.ndarray
     runs: np.ndarray
-    pieces: np.ndarray
-    chunks: np.ndarray
     chunk_blocks: int
     max_temp_bytes: int
     owned_slots: int
+
+    @functools.cached_property
+    def _split(self) -> tuple[np.ndarray, np.ndarray]:
+        return split_runs(self.runs, self.chunk_blocks)
+
+    @property
+    def pieces(self) -> np.ndarray:
+        """``[P, 4]`` (src_start, dst_start, length, offset_in_chunk)."""
+        return self._split[0]
+
+    @property
+    def chunks(self) -> np.ndarray:
+        """``[C, 2]`` (first_piece, end_piece) per staging chunk."""
+        return self._split[1]
 
     @property
     def num_blocks(self) -> int:
@@ -119,7 +133,8 @@ class CopyPlan:
 
     @property
     def num_chunks(self) -> int:
-        return int(self.chunks.shape[0])
+        """Staging chunks: chunk k holds blocks [k * chunk_blocks, (k + 1) * chunk_blocks)."""
+        return -(-self.num_blocks // self.chunk_blocks)
 
     @property
     def is_empty(self) -> bool:
@@ -184,7 +199,6 @@ def plan_copy(
     block_ids = ids.unique_ids()
     runs = _runs_of_sorted(block_ids) if block_ids.size else np.zeros((0, 3), np.int64)
     chunk_blocks = max(1, max_temp_bytes // (layout.block_bytes + INDEX_BYTES))
-    pieces, chunks = split_runs(runs, chunk_blocks)
     # a group's real ids are owned once per layer the group has
     layers = np.repeat(np.asarray(layout.layers_per_group), ids.group_sizes)
     owned = int(layers[ids.flat != 0].sum())
@@ -192,8 +206,6 @@ def plan_copy(
         layout=layout,
         block_ids=block_ids,
         runs=runs,
-        pieces=pieces,
-        chunks=chunks,
         chunk_blocks=chunk_blocks,
         max_temp_bytes=max_temp_bytes,
         owned_slots=owned,
