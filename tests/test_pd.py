@@ -8,7 +8,6 @@ never touch each other's state. Byte checks regenerate the pattern on the decode
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,28 +21,10 @@ from kvstage.pd.decode import DecodeWorker, pair_runs
 from kvstage.pd.handshake import PeerError
 from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from pd_helpers import serving
 
 NUM_BLOCKS = 1024
 GEMMA = preset("gemma-3-1b", num_blocks=NUM_BLOCKS)
-
-
-@contextmanager
-def serving(worker: PrefillWorker) -> Iterator[PrefillWorker]:
-    """Serve ``worker`` from a daemon thread; stop, join and close it on exit."""
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            worker.serve_once(0.002)
-
-    thread = threading.Thread(target=loop, daemon=True, name="prefill")
-    thread.start()
-    try:
-        yield worker
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        worker.close()
 
 
 @contextmanager

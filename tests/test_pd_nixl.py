@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from kvstage.pd.demo import PrefillProcess
 from kvstage.pd.handshake import SideChannelClient
 from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from pd_helpers import serving
 
 pytestmark = pytest.mark.nixl
 
@@ -55,21 +55,8 @@ def decoder(layout: KVLayout = GEMMA, **kw: object) -> Iterator[DecodeWorker]:
 
 @contextmanager
 def in_process_prefill(layout: KVLayout, host_layout: HostLayout) -> Iterator[PrefillWorker]:
-    worker = PrefillWorker(layout, host_layout=host_layout, transport="nixl")
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.is_set():
-            worker.serve_once(0.002)
-
-    thread = threading.Thread(target=loop, daemon=True, name="prefill")
-    thread.start()
-    try:
+    with serving(PrefillWorker(layout, host_layout=host_layout, transport="nixl")) as worker:
         yield worker
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        worker.close()
 
 
 def prefill_remote(addr: tuple[str, int], rid: str, tokens: int, seed: int) -> m.PrefillDone:
