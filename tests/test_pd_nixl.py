@@ -8,6 +8,9 @@ served from a daemon thread (two agents in one process still READ through UCX).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -286,3 +289,33 @@ def test_decode_cli_exits_2_when_nothing_listens() -> None:
     )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert f"127.0.0.1:{port}" in out.stderr and "kvstage prefill --listen" in out.stderr
+
+
+@pytest.mark.timeout(90)
+def test_prefill_child_dies_with_a_killed_parent() -> None:
+    # a parent that dies without stop() (SIGKILL, crash) must not leave its prefill child
+    # behind: an orphaned NIXL agent would spin a core until someone noticed
+    code = ("from kvstage.pd.demo import PrefillProcess; import sys, time; "
+            "p = PrefillProcess('llama-3.1-8b', 16, 'loopback', lease_s=30.0); "
+            "print(p.proc.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        os.kill(child, 0)  # alive while the parent is
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                return
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(child, os.WNOHANG)  # not ours: reaped by init, normally
+            time.sleep(0.1)
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"prefill child {child} outlived its killed parent by 30 s")
+    finally:
+        if parent.poll() is None:
+            parent.kill()

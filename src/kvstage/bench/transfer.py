@@ -143,14 +143,16 @@ class Bench:
             raise
 
     def close(self) -> None:
-        if self.proc is None:  # a remote listener: give back what this run holds there
-            for rid in sorted(self.held):
-                with contextlib.suppress(Exception):
-                    self.release(rid)
-        if self.transport is not None:
-            self.transport.close()
-        if self.proc is not None:
-            self.proc.stop()
+        try:
+            if self.proc is None:  # a remote listener: give back what this run holds there
+                for rid in sorted(self.held):
+                    with contextlib.suppress(Exception):
+                        self.release(rid)
+            if self.transport is not None:
+                self.transport.close()
+        finally:
+            if self.proc is not None:  # the child goes whatever failed above
+                self.proc.stop()
 
     def prefill(self, rid: str, tokens: int, seed: int) -> list[list[int]]:
         rid = f"{rid}-{self.tag}"

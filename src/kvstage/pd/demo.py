@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import queue
+import signal
 import subprocess
 import sys
 import tempfile
@@ -29,6 +30,16 @@ HYBRID_PROMPTS = [512, 1024, 2048, 4096, 8192]
 UNIFORM_PROMPTS = [1024]
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when this process dies, however it dies (a
+    crash or SIGKILL never reaches ``stop``; an orphaned NIXL agent would spin a core)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 class PrefillProcess:
     """A `kvstage prefill` child; its first stdout line gives the bound address.
 
@@ -43,7 +54,7 @@ class PrefillProcess:
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=env)
+                                     text=True, env=env, preexec_fn=_die_with_parent)
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
         self.address = self._wait_ready()
