@@ -124,7 +124,7 @@ class Bench:
         self.ucx = multihost.setup_ucx(args, self.address[0])
         self.transport: Transport | None = None
         self.held: set[str] = set()  # request ids prefill holds for us: released at close
-        self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: ids unique per run
+        self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: wire ids unique per run
         try:
             self.client = SideChannelClient(*self.address, timeout_s=30.0)
             from kvstage.transport.factory import make_transport
@@ -155,17 +155,16 @@ class Bench:
                 self.proc.stop()
 
     def prefill(self, rid: str, tokens: int, seed: int) -> list[list[int]]:
-        rid = f"{rid}-{self.tag}"
-        done = self.client.call(m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
+        wire = f"{rid}-{self.tag}"
+        done = self.client.call(m.PrefillRequest(request_id=wire, num_tokens=tokens, seed=seed))
         if not isinstance(done, m.PrefillDone):
-            raise RuntimeError(f"prefill refused request {rid!r}: {done}")
+            raise RuntimeError(f"prefill refused request {wire!r}: {done}")
         self.held.add(rid)
         return done.block_ids
 
     def release(self, rid: str) -> None:
-        rid = rid if rid.endswith(f"-{self.tag}") else f"{rid}-{self.tag}"
         self.held.discard(rid)
-        self.client.call(m.Release(request_id=rid))
+        self.client.call(m.Release(request_id=f"{rid}-{self.tag}"))
 
     # -- descriptor lists -----------------------------------------------------------------
     def descriptors(self, method: str, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -302,14 +301,17 @@ COLUMNS = [
 
 def _serve(args: argparse.Namespace) -> int:
     """``--listen``: the prefill role with the bench's layout and a lease that outlives it."""
-    from kvstage.pd.roles import run_prefill
+    from kvstage.pd.roles import add_prefill_arguments, run_prefill
 
-    ns = argparse.Namespace(
-        listen=args.listen, lease_s=BENCH_LEASE_S, preset=args.preset,
-        num_blocks=args.num_blocks, host_layout=HostLayout.BLOCK_MAJOR.value, device="cpu",
-        transport="nixl", ucx_tls=args.ucx_tls, ucx_net_devices=args.ucx_net_devices,
-    )
-    return run_prefill(ns)
+    parser = argparse.ArgumentParser(prog="kvstage prefill")
+    add_prefill_arguments(parser)  # the prefill role's own defaults for everything else
+    argv = ["--listen", args.listen, "--lease-s", str(BENCH_LEASE_S), "--preset", args.preset,
+            "--num-blocks", str(args.num_blocks), "--host-layout", HostLayout.BLOCK_MAJOR.value,
+            "--device", "cpu", "--transport", "nixl"]
+    for flag, value in (("--ucx-tls", args.ucx_tls), ("--ucx-net-devices", args.ucx_net_devices)):
+        if value:
+            argv += [flag, value]
+    return run_prefill(parser.parse_args(argv))
 
 
 def run_transfer(args: argparse.Namespace) -> int:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 
 from kvstage.host_buffer import HostLayout
@@ -30,14 +31,17 @@ HYBRID_PROMPTS = [512, 1024, 2048, 4096, 8192]
 UNIFORM_PROMPTS = [1024]
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when this process dies, however it dies (a
-    crash or SIGKILL never reaches ``stop``; an orphaned NIXL agent would spin a core)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child SIGTERMed when this process dies, however it
+    dies (a crash or SIGKILL never reaches ``stop``; an orphaned NIXL agent would spin a
+    core). prctl is looked up here, in the parent: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 class PrefillProcess:
@@ -54,7 +58,7 @@ class PrefillProcess:
         env = os.environ | {"PYTHONUNBUFFERED": "1"}
         self._stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     text=True, env=env, preexec_fn=_die_with_parent)
+                                     text=True, env=env, preexec_fn=_die_with_parent())
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
         self.address = self._wait_ready()
