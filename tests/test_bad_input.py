@@ -243,7 +243,7 @@ def test_layout_with_zero_blocks(build: Any, expected: str) -> None:
          "synthetic_layout.num_layers must be a positive int, got 0"),
         (lambda: ks.synthetic_layout(num_layers=2, num_groups=3, num_blocks=8),
          "num_groups (3) cannot exceed num_layers (2)"),
-        (lambda: ks.KVGroup(group_id=0, layer_names=(), spec=ks.AttentionSpec(
+        (lambda: ks.KVGroup(group_id=0, layer_names=(), spec=ks.FullAttentionSpec(
             block_size=16, num_kv_heads=1, head_size=64)), "KVGroup 0 has no layers"),
         (lambda: ks.KVLayout(num_blocks=8, groups=()), "KVLayout needs at least one KVGroup"),
         (lambda: ks.group_layers([]), "group_layers needs at least one (name, spec) pair"),
@@ -435,7 +435,7 @@ def test_garbled_message_to_live_prefill(prefill: PrefillThread) -> None:
         (ks.preset("gpt-oss-20b", num_blocks=256), "num_groups is 7 here, 2 remote"),
         (ks.KVLayout(num_blocks=256, name="gemma-3-1b", groups=tuple(
             ks.KVGroup(group_id=g.group_id, layer_names=g.layer_names,
-                       spec=ks.AttentionSpec(block_size=16, num_kv_heads=1, head_size=256))
+                       spec=ks.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=256))
             for g in LAYOUT.groups)), "group 0 spec is SlidingWindowSpec here, AttentionSpec"),
         (respec(dtype="float16"), "group 0 dtype is 'bfloat16' here, 'float16' remote"),
         (respec(head_size=128), "group 0 head_size is 256 here, 128 remote"),

@@ -16,7 +16,7 @@ import pytest
 
 from kvstage.blocks import request_blocks
 from kvstage.cli import main
-from kvstage.layout import preset
+from kvstage.presets import preset
 
 pytestmark = pytest.mark.nixl
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvstage import NULL_BLOCK, BlockPool, GroupedBlockIds, clip_to_window, preset
 from kvstage.blocks import request_blocks
-from kvstage.layout import synthetic_layout
+from kvstage.presets import synthetic_layout
 
 LAYOUT = synthetic_layout(num_layers=4, num_groups=2, num_blocks=16, head_size=8)
 

@@ -25,13 +25,13 @@ from kvstage import (
     HostLayout,
     KVCache,
     KVLayout,
-    Strategy,
     memory_report,
     preset,
     synthetic_layout,
 )
 from kvstage.layout import DTYPES
 from kvstage.plan import INDEX_BYTES
+from kvstage.testing.baselines import Strategy, make_engine
 
 NUM_BLOCKS = 32
 
@@ -92,7 +92,7 @@ def test_strategies_byte_exact_vs_naive(
     for b in mapped:
         assert not torch.equal(src_before[:, :, b], dst_before[:, :, b])
     # a budget of 3 blocks: the staged copy goes through several chunks
-    engine = CopyEngine(cache, host, strategy=strategy, mode=mode,  # type: ignore[arg-type]
+    engine = make_engine(cache, host, strategy, mode=mode,  # type: ignore[arg-type]
                         max_temp_bytes=3 * (lay.block_bytes + INDEX_BYTES))
     try:
         stats = engine.copy(groups, direction)
@@ -118,7 +118,7 @@ def test_baselines_do_copy_null_block() -> None:
     for strategy, touched in (("per_group", True), ("coalesced", True), ("fused", False)):
         cache, host = make_pair(KVCache(lay), HostBuffer(lay), seed=3)
         before = as_bytes(host.canonical)
-        CopyEngine(cache, host, strategy=strategy).save_to_host([[0, 1]] + [[]] * 6)
+        make_engine(cache, host, strategy).save_to_host([[0, 1]] + [[]] * 6)
         after = as_bytes(host.canonical)
         assert torch.equal(after[:, :, 0], as_bytes(cache.canonical)[:, :, 0]) is touched
         assert torch.equal(after[:, :, 0], before[:, :, 0]) is not touched
@@ -127,7 +127,7 @@ def test_baselines_do_copy_null_block() -> None:
 def test_engine_default_mode_on_cpu_is_direct() -> None:
     lay = synthetic_layout(num_layers=2, num_groups=1, num_blocks=4, head_size=8)
     engine = CopyEngine(KVCache(lay), HostBuffer(lay))
-    assert engine.strategy is Strategy.FUSED and engine.mode == "direct"
+    assert isinstance(engine, CopyEngine) and engine.mode == "direct"
     stats = engine.save_to_host([[1, 2]])
     assert (stats.blocks, stats.runs, stats.chunks) == (2, 1, 0)
 
@@ -179,7 +179,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
 def test_property_byte_exact_vs_naive(case: dict[str, Any]) -> None:
     lay: KVLayout = case["layout"]
     cache, host = make_pair(KVCache(lay), HostBuffer(lay, case["host_layout"]), case["seed"])
-    engine = CopyEngine(cache, host, strategy=case["strategy"], mode=case["mode"],
+    engine = make_engine(cache, host, case["strategy"], mode=case["mode"],
                         max_temp_bytes=case["budget_blocks"] * (lay.block_bytes + INDEX_BYTES))
     direction: Direction = case["direction"]
     src, dst = (cache, host) if direction is Direction.D2H else (host, cache)
@@ -230,7 +230,7 @@ def test_bad_ids_raise_and_move_nothing(
 ) -> None:
     cache, host = make_pair(KVCache(ERR_LAYOUT), HostBuffer(ERR_LAYOUT), seed=11)
     dev, hst = as_bytes(cache.canonical), as_bytes(host.canonical)
-    engine = CopyEngine(cache, host, strategy=strategy)
+    engine = make_engine(cache, host, strategy)
     with pytest.raises(exc, match=match):
         engine.copy(ids, direction)
     assert torch.equal(as_bytes(cache.canonical), dev), what
@@ -252,10 +252,15 @@ def test_unknown_direction_moves_nothing() -> None:
     assert torch.equal(as_bytes(host.canonical), hst)
 
 
+def test_unknown_baseline_strategy_is_refused() -> None:
+    cache, host = make_pair(KVCache(ERR_LAYOUT), HostBuffer(ERR_LAYOUT), seed=13)
+    with pytest.raises(ValueError, match=r"unknown strategy .per_layer.; choose one"):
+        make_engine(cache, host, "per_layer")
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"strategy": "per_layer"}, r"unknown strategy 'per_layer'; choose one of \['per_group'"),
         ({"mode": "fast"}, "mode must be 'auto', 'direct' or 'staged', got 'fast'"),
         ({"max_temp_bytes": 0}, "max_temp_bytes must be a positive int, got 0"),
         ({"max_temp_bytes": -8}, "max_temp_bytes must be a positive int, got -8"),
@@ -338,7 +343,7 @@ def test_cuda_byte_exact_vs_naive(
     cache = KVCache(lay, "cuda")
     host = HostBuffer.for_device(lay, "cuda", host_layout)
     make_pair(cache, host, seed=21)
-    engine = CopyEngine(cache, host, strategy=strategy, mode=mode,  # type: ignore[arg-type]
+    engine = make_engine(cache, host, strategy, mode=mode,  # type: ignore[arg-type]
                         max_temp_bytes=3 * (lay.block_bytes + INDEX_BYTES))
     groups = request_ids(lay)
     src, dst = (cache, host) if direction is Direction.D2H else (host, cache)

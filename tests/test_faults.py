@@ -24,8 +24,8 @@ from kvstage.bench.soak import PrefillThread
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.pd.handshake import HandshakeTimeout, SideChannelClient
-from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.testing.pattern import verify_request
 
 LAYOUT = ks.preset("gpt-oss-20b", num_blocks=512, block_size=8)  # 2 groups (SW + full)
 NB = LAYOUT.num_blocks

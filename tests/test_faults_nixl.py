@@ -27,7 +27,7 @@ from kvstage.bench.soak import LayoutChoice, PrefillChild
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.pd.handshake import HandshakeTimeout, SideChannelClient
-from kvstage.pd.pattern import verify_request
+from kvstage.testing.pattern import verify_request
 
 HAVE_NIXL = any(importlib.util.find_spec(n) is not None for n in ("nixl_cu12", "nixl"))
 pytestmark = [

@@ -26,6 +26,7 @@ from hypothesis.errors import InvalidArgument
 import kvstage as ks
 from kvstage.layout import MLASpec
 from kvstage.plan import INDEX_BYTES, find_runs, split_runs
+from kvstage.testing.baselines import make_engine
 
 
 def _fuzz_settings() -> settings:
@@ -102,7 +103,7 @@ class How:
 
     def engine(self, cache: ks.KVCache, host: ks.HostBuffer) -> ks.CopyEngine:
         if self.strategy is not ks.Strategy.FUSED:
-            return ks.CopyEngine(cache, host, strategy=self.strategy)
+            return make_engine(cache, host, self.strategy)
         budget = ks.plan.DEFAULT_MAX_TEMP_BYTES
         if self.budget_blocks is not None:  # 0: below one block (chunks still hold 1)
             budget = max(1, self.budget_blocks * (cache.layout.block_bytes + INDEX_BYTES))

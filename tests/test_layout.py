@@ -9,8 +9,8 @@ import pytest
 
 from kvstage import (
     PRESETS,
-    AttentionSpec,
     CacheLayout,
+    FullAttentionSpec,
     KVGroup,
     KVLayout,
     MLASpec,
@@ -32,7 +32,7 @@ def test_gemma_3_1b_has_7_groups_over_4_tensors() -> None:
     kinds = [type(g.spec) for g in lay.groups]
     # 22 SW layers -> group_size 4 -> 6 SW groups (4,4,4,4,3,3); 4 FA layers -> 1 group
     assert sizes == [4, 4, 4, 4, 3, 3, 4]
-    assert kinds == [SlidingWindowSpec] * 6 + [AttentionSpec]
+    assert kinds == [SlidingWindowSpec] * 6 + [FullAttentionSpec]
     assert lay.num_groups == 7 and lay.num_tensors == 4 and lay.num_layers == 26
     # the FA group holds every 6th layer
     assert lay.groups[6].layer_names == ("layers.5", "layers.11", "layers.17", "layers.23")
@@ -63,12 +63,12 @@ def test_preset_groups(name: str, groups: int, sizes: list[int], tensors: int) -
 
 def test_mla_preset_is_one_plane() -> None:
     lay = preset("deepseek-v2-lite")
-    assert isinstance(lay.spec, MLASpec) and lay.spec.num_planes == 1
+    assert isinstance(lay.spec, MLASpec) and lay.spec.num_kv_planes == 1
     assert lay.layer_shape == (1024, 16, 576)
 
 
 def test_group_size_1p5_rule() -> None:
-    a = AttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
+    a = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
     b = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=64)
     # buckets of 10 and 14: 14 < 1.5 * 10 -> group_size is the LARGEST (14): 1 group each
     groups = group_layers([(f"a{i}", a) for i in range(10)] + [(f"b{i}", b) for i in range(14)])
@@ -136,7 +136,7 @@ def test_sliding_window_blocks() -> None:
     assert sw.blocks_per_window == 33
     assert sw.max_blocks_per_request(10_000) == 33
     assert sw.max_blocks_per_request(17) == 2
-    fa = AttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
+    fa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8)
     assert fa.max_blocks_per_request(10_000) == 625
 
 
@@ -242,8 +242,8 @@ def test_check_compatible_ignores_name() -> None:
 # -- construction errors ---------------------------------------------------------------------
 
 
-def _spec(**kw: object) -> AttentionSpec:
-    return AttentionSpec(**{"block_size": 16, "num_kv_heads": 1, "head_size": 8, **kw})  # type: ignore[arg-type]
+def _spec(**kw: object) -> FullAttentionSpec:
+    return FullAttentionSpec(**{"block_size": 16, "num_kv_heads": 1, "head_size": 8, **kw})  # type: ignore[arg-type]
 
 
 def test_zero_blocks() -> None:

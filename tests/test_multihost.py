@@ -14,10 +14,10 @@ import pytest
 import zmq
 
 from kvstage.cli import main
-from kvstage.layout import preset
 from kvstage.pd import multihost
 from kvstage.pd.handshake import HandshakeTimeout, PeerError
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.presets import preset
 from kvstage.transport import ucx_env
 from kvstage.transport.base import TransportError
 

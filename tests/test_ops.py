@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from kvstage import CopyEngine, Direction, HostBuffer, HostLayout, KVCache, synthetic_layout
-from kvstage.ops import DATA_OPS, OpCounter
 from kvstage.plan import INDEX_BYTES
+from kvstage.testing.baselines import make_engine
+from kvstage.testing.opcount import DATA_OPS, OpCounter
 
 B = 24  # blocks per request: ids 1..24
 
@@ -19,7 +20,7 @@ def _engine(num_layers: int, groups: int, strategy: str, mode: str = "direct",
             **kw: int) -> CopyEngine:
     lay = synthetic_layout(num_layers=num_layers, num_groups=groups, num_blocks=64,
                            num_kv_heads=1, head_size=8)
-    return CopyEngine(KVCache(lay), HostBuffer(lay), strategy=strategy, mode=mode,  # type: ignore[arg-type]
+    return make_engine(KVCache(lay), HostBuffer(lay), strategy, mode=mode,  # type: ignore[arg-type]
                       **kw)
 
 
@@ -180,7 +181,7 @@ def test_direct_allocates_nothing(big_pair: tuple[KVCache, HostBuffer],
 @pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
 def test_coalesced_peak_grows_with_request(big_pair: tuple[KVCache, HostBuffer],
                                            direction: Direction) -> None:
-    engine = CopyEngine(*big_pair, strategy="coalesced")
+    engine = make_engine(*big_pair, "coalesced")
     peaks = []
     for n in SIZES:
         counter = _peak(engine, _ids(n, scattered=False), direction)

@@ -14,13 +14,14 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstage.host_buffer import HostLayout
-from kvstage.layout import CacheLayout, KVLayout, preset, synthetic_layout
+from kvstage.cache import HostLayout
+from kvstage.layout import CacheLayout, KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, pair_runs
 from kvstage.pd.handshake import PeerError
-from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.presets import preset, synthetic_layout
+from kvstage.testing.pattern import verify_request
 from pd_helpers import serving
 
 NUM_BLOCKS = 1024

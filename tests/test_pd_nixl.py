@@ -20,14 +20,15 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvstage.host_buffer import HostLayout
-from kvstage.layout import CacheLayout, KVLayout, preset
+from kvstage.cache import HostLayout
+from kvstage.layout import CacheLayout, KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.pd.demo import PrefillProcess
 from kvstage.pd.handshake import SideChannelClient
-from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.presets import preset
+from kvstage.testing.pattern import verify_request
 from pd_helpers import serving
 
 pytestmark = pytest.mark.nixl

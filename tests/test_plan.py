@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from kvstage import GroupedBlockIds, HostBuffer, HostLayout, find_runs, plan_copy, preset
-from kvstage.layout import synthetic_layout
 from kvstage.plan import INDEX_BYTES, split_runs
+from kvstage.presets import synthetic_layout
 
 KIB = 1024
 

@@ -1,14 +1,16 @@
-"""CopyEngine: device <-> host copies of a request's KV blocks, three strategies.
+"""CopyEngine: a request's KV blocks between a device `KVCache` and its `HostBuffer`.
 
-- ``per_group``: vLLM before PR #54483: one copy call per group, each applying that
-  group's ids to every layer name with vLLM's CUDA-platform ops (advanced-index gather,
-  ``.to(device)``, advanced-index assignment). G x L x k ops per request.
-- ``coalesced``: vLLM after PR #54483: the groups' ids concatenated, one call. L x k.
-- ``fused`` (default): kvstage. Every physical tensor at once through the canonical
-  ``[T, P, NB, E]`` view: one slice copy per contiguous run (``direct``), or, on CUDA,
-  gathers into a staging buffer bounded by ``max_temp_bytes`` with one DMA per run
-  (``staged``). Op count depends on runs only, never on groups or layers; CUDA copies
-  are non-blocking from pinned memory with one synchronisation per request.
+The product path only (vLLM's per-group and coalesced ops, the baselines, live in
+`kvstage.testing.baselines`). Every physical tensor at once: one slice copy per
+contiguous run of blocks (``direct``), over the whole ``[T, P, NB, E]`` slab when the
+cache is one (kvstage's own, or an engine's evenly spaced backing buffer), else one per
+run per physical tensor. On CUDA, ``staged``: gathers into a staging buffer bounded by
+``max_temp_bytes`` with one DMA per run. Op count depends on runs (and tensors when
+they are separate allocations), never on groups or layers. CUDA copies are
+non-blocking from pinned memory with one synchronisation per request.
+
+Thread rules: an engine is not thread-safe; one thread per engine (the P/D roles each
+own one).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 import torch
 
 from kvstage.blocks import GroupedBlockIds
-from kvstage.host_buffer import HostBuffer, KVCache
+from kvstage.cache import HostBuffer, KVCache
+from kvstage.errors import LayoutMismatch
 from kvstage.layout import KVLayout
 from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, CopyPlan, plan_copy
 
@@ -31,55 +34,16 @@ class Direction(enum.Enum):
     H2D = "h2d"
 
 
-class Strategy(enum.Enum):
-    PER_GROUP = "per_group"
-    COALESCED = "coalesced"
-    FUSED = "fused"
-
-
 FusedMode = Literal["auto", "direct", "staged"]
 
 
 @dataclass(frozen=True)
 class CopyStats:
     direction: Direction
-    strategy: Strategy
     blocks: int
     runs: int
     chunks: int
     nbytes: int
-
-
-def vllm_copy_kv_blocks(
-    src_caches: dict[str, torch.Tensor],
-    dst_caches: dict[str, torch.Tensor],
-    src_block_ids: list[int],
-    dst_block_ids: list[int],
-    direction: str,
-    *,
-    block_dim: int = 0,
-) -> None:
-    """vLLM's ``copy_kv_blocks`` with the CUDA platform's per-layer ops, as users run it.
-
-    Faithful on purpose (the baseline must not be weakened): silent early returns on
-    empty input, one index tensor per side, then per layer name ``dst[idx] =
-    src[idx].to(dst.device)`` (dim 1 for K/V-split layouts).
-    """
-    if not src_caches or not dst_caches or not src_block_ids or not dst_block_ids:
-        return
-    if len(src_block_ids) != len(dst_block_ids):
-        return
-    src_device = next(iter(src_caches.values())).device
-    dst_device = next(iter(dst_caches.values())).device
-    src_idx = torch.tensor(src_block_ids, device=src_device, dtype=torch.int64)
-    dst_idx = torch.tensor(dst_block_ids, device=dst_device, dtype=torch.int64)
-    for name, src in src_caches.items():
-        dst = dst_caches[name]
-        if block_dim == 0:
-            dst[dst_idx] = src[src_idx].to(dst.device)
-        else:
-            dst[:, dst_idx] = src[:, src_idx].to(dst.device)
-    _ = direction  # both directions use the same ops; the platform picks the device side
 
 
 def _staged_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,25 +68,21 @@ class CopyEngine:
         cache: KVCache,
         host: HostBuffer,
         *,
-        strategy: Strategy | str = Strategy.FUSED,
         max_temp_bytes: int = DEFAULT_MAX_TEMP_BYTES,
         mode: FusedMode = "auto",
     ) -> None:
         if cache.layout != host.layout:
-            raise ValueError(
+            raise LayoutMismatch(
                 "device cache and host buffer were built for different layouts: "
                 f"{cache.layout.name or cache.layout} vs {host.layout.name or host.layout}"
                 f"{_difference(cache.layout, host.layout)}; build both from one KVLayout"
             )
-        try:
-            self.strategy = Strategy(strategy)
-        except ValueError:
-            raise ValueError(
-                f"unknown strategy {strategy!r}; choose one of {[s.value for s in Strategy]}"
-            ) from None
         if mode not in ("auto", "direct", "staged"):
             raise ValueError(f"mode must be 'auto', 'direct' or 'staged', got {mode!r}")
-        if not isinstance(max_temp_bytes, int) or max_temp_bytes <= 0:
+        if (
+            not isinstance(max_temp_bytes, int) or isinstance(max_temp_bytes, bool)
+            or max_temp_bytes <= 0
+        ):
             raise ValueError(f"max_temp_bytes must be a positive int, got {max_temp_bytes!r}")
         self.cache = cache
         self.host = host
@@ -132,9 +92,6 @@ class CopyEngine:
         if self.is_cuda and not host.pinned:
             raise ValueError("a CUDA cache needs a pinned host buffer: HostBuffer.for_device()")
         self.mode = ("staged" if self.is_cuda else "direct") if mode == "auto" else mode
-        # per-layer views for the vLLM baselines (aliasing views, as vLLM's dicts hold)
-        self._device_layers = cache.layer_caches()
-        self._host_layers = host.layer_views()
 
     # -- public API -------------------------------------------------------------------
     def save_to_host(self, ids: GroupedBlockIds | list[list[int]]) -> CopyStats:
@@ -151,52 +108,50 @@ class CopyEngine:
     def copy(self, ids: GroupedBlockIds | list[list[int]], direction: Direction) -> CopyStats:
         grouped = self._ids(ids)  # validates everything before a byte moves
         direction = Direction(direction)
-        if self.strategy is Strategy.FUSED:
-            plan = plan_copy(self.layout, grouped, max_temp_bytes=self.max_temp_bytes)
-            if not plan.is_empty:
-                if self.mode == "direct":
-                    self._fused_direct(plan, direction)
-                else:
-                    self._fused_staged(plan, direction)
-                self._sync()
-            return CopyStats(
-                direction, self.strategy, plan.num_blocks, plan.num_runs,
-                plan.num_chunks if self.mode == "staged" else 0, plan.nbytes,
-            )
-        return self._vllm(grouped, direction)
+        plan = plan_copy(self.layout, grouped, max_temp_bytes=self.max_temp_bytes)
+        return self.run(plan, direction)
 
-    # -- baselines ----------------------------------------------------------------------
-    def _vllm(self, ids: GroupedBlockIds, direction: Direction) -> CopyStats:
-        if direction is Direction.D2H:
-            src, dst = self._device_layers, self._host_layers
-        else:
-            src, dst = self._host_layers, self._device_layers
-        calls = (
-            [g.tolist() for g in map(ids.group, range(ids.num_groups))]
-            if self.strategy is Strategy.PER_GROUP
-            else [ids.flat.tolist()]
+    def run(self, plan: CopyPlan, direction: Direction) -> CopyStats:
+        """Execute a plan (from `plan`, or `plan_copy` over validated ids)."""
+        if not plan.is_empty:
+            if self.mode == "direct":
+                self._direct(plan.runs, direction)
+            else:
+                self._staged(plan, direction)
+            self._sync()
+        return CopyStats(
+            direction, plan.num_blocks, plan.num_runs,
+            plan.num_chunks if self.mode == "staged" else 0, plan.nbytes,
         )
-        block_dim = self.layout.cache_layout.block_dim
-        nbytes = 0
-        for group_ids in calls:
-            vllm_copy_kv_blocks(
-                src, dst, group_ids, group_ids, direction.value, block_dim=block_dim
-            )
-            nbytes += len(group_ids) * len(src) * self.layout.page_size_bytes
-        return CopyStats(direction, self.strategy, len(ids), 0, 0, nbytes)
+
+    def copy_runs(self, runs: np.ndarray, direction: Direction) -> None:
+        """Direct copies of ``[R, 3]`` (src, dst, n) block runs (the decode pipeline's
+        chunks); ids must be validated by the caller."""
+        self._direct(runs, direction)
+        self._sync()
 
     # -- fused ----------------------------------------------------------------------------
-    def _fused_direct(self, plan: CopyPlan, direction: Direction) -> None:
-        """One strided slice copy per run over every tensor and plane at once."""
-        dev, host = self.cache.canonical, self.host.canonical
-        src, dst = (dev, host) if direction is Direction.D2H else (host, dev)
-        for s, d, n in plan.runs.tolist():
-            dst[:, :, d : d + n].copy_(src[:, :, s : s + n], non_blocking=self.is_cuda)
+    def _direct(self, runs: np.ndarray, direction: Direction) -> None:
+        """One strided slice copy per run: over every tensor and plane at once when the
+        cache is a slab, else per physical tensor."""
+        host = self.host.canonical
+        nb = self.is_cuda
+        slab = self.cache.canonical
+        pairs = [(slab, host)] if slab is not None else list(
+            zip(self.cache.tensor_views, host.unbind(0), strict=True)
+        )
+        for s, d, n in runs.tolist():
+            for dev, hst in pairs:
+                if direction is Direction.D2H:
+                    hst[..., d : d + n, :].copy_(dev[..., s : s + n, :], non_blocking=nb)
+                else:
+                    dev[..., d : d + n, :].copy_(hst[..., s : s + n, :], non_blocking=nb)
 
-    def _fused_staged(self, plan: CopyPlan, direction: Direction) -> None:
-        """Per chunk: one gather (d2h) or scatter (h2d) kernel on the device between the
-        cache and a contiguous staging buffer, and one contiguous DMA per run piece
-        between staging and the host. Staging holds at most ``plan.chunk_blocks`` blocks.
+    def _staged(self, plan: CopyPlan, direction: Direction) -> None:
+        """Per chunk: one gather (d2h) or scatter (h2d) kernel per device tensor (one for
+        a slab) between the cache and a contiguous staging buffer, and one contiguous DMA
+        per run piece between staging and the host. Staging holds at most
+        ``plan.chunk_blocks`` blocks.
         """
         t, p, _, e = self.layout.canonical_shape
         rows = min(plan.chunk_blocks, plan.num_blocks)
@@ -208,24 +163,37 @@ class CopyEngine:
         # implemented for 'Float8_e4m3fn'); _host_run returns the matching byte view
         dtype = _staged_dtype(self.layout.torch_dtype)
         staging = torch.empty(shape, dtype=dtype, device=self.cache.device)
-        slab = self.cache.slab.view(dtype)
-        dev_blocks = slab.permute(2, 0, 1, 3) if block_major else slab
         bdim = 0 if block_major else 2
+        slab = self.cache.canonical
+        if slab is not None:
+            devs = [slab.view(dtype)]
+        else:
+            devs = [v.view(dtype).unsqueeze(0) for v in self.cache.tensor_views]
+        # [NB, t, P, E] block-major or [t, P, NB, E] mirror, per device tensor (or slab)
+        dev_blocks = [d.permute(2, 0, 1, 3) if block_major else d for d in devs]
+        tdim = 1 if block_major else 0
+        widths = [d.shape[tdim] for d in dev_blocks]
         ids_all = plan.block_ids
         for k, (first, end) in enumerate(plan.chunks.tolist()):
             lo = k * plan.chunk_blocks
             hi = min(lo + plan.chunk_blocks, plan.num_blocks)
             idx = self._index(ids_all[lo:hi])
             view = staging.narrow(bdim, 0, hi - lo)
+            parts = _split(view, tdim, widths)
             pieces = plan.pieces[first:end].tolist()
             if direction is Direction.D2H:
-                torch.index_select(dev_blocks, bdim, idx, out=view)
+                for dev, part in zip(dev_blocks, parts, strict=True):
+                    if len(parts) == 1:
+                        torch.index_select(dev, bdim, idx, out=part)
+                    else:
+                        part.copy_(dev.index_select(bdim, idx))
                 for s, _d, n, off in pieces:
                     self._dma(self._host_run(s, n), view.narrow(bdim, off, n))
             else:
                 for s, _d, n, off in pieces:
                     self._dma(view.narrow(bdim, off, n), self._host_run(s, n))
-                dev_blocks.index_copy_(bdim, idx, view)
+                for dev, part in zip(dev_blocks, parts, strict=True):
+                    dev.index_copy_(bdim, idx, part)
 
     def _host_run(self, start: int, n: int) -> torch.Tensor:
         storage = self.host.storage.view(_staged_dtype(self.host.storage.dtype))
@@ -255,10 +223,15 @@ class CopyEngine:
     def _ids(self, ids: GroupedBlockIds | list[list[int]]) -> GroupedBlockIds:
         if isinstance(ids, GroupedBlockIds):
             if ids.num_blocks != self.layout.num_blocks or ids.num_groups != self.layout.num_groups:
-                raise ValueError(
+                raise LayoutMismatch(
                     f"ids validated for {ids.num_groups} groups x {ids.num_blocks} blocks; "
                     f"this engine's layout has {self.layout.num_groups} x {self.layout.num_blocks}"
                 )
             return ids
         return GroupedBlockIds(ids, self.layout)
 
+
+def _split(view: torch.Tensor, dim: int, widths: list[int]) -> list[torch.Tensor]:
+    if len(widths) == 1:
+        return [view]
+    return list(view.split(widths, dim=dim))

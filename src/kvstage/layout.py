@@ -57,7 +57,10 @@ class CacheLayout(enum.Enum):
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionSpec:
-    """Full attention: K and V of ``num_kv_heads`` heads of ``head_size`` per token."""
+    """Base of the attention specs: K and V of ``num_kv_heads`` heads of ``head_size`` per
+    token. Use a concrete subclass (`FullAttentionSpec`, `SlidingWindowSpec`, `MLASpec`);
+    as in vLLM's ``kv_cache_interface``, groups are bucketed by spec equality, which
+    includes the class."""
 
     block_size: int
     num_kv_heads: int
@@ -86,14 +89,14 @@ class AttentionSpec:
         return self.torch_dtype.itemsize
 
     @property
-    def num_planes(self) -> int:
+    def num_kv_planes(self) -> int:
         """2 (K and V); MLA stores a single latent plane."""
         return 2
 
     @property
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block of one layer, planes first."""
-        return (self.num_planes, self.block_size, self.num_kv_heads, self.head_size)
+        return (self.num_kv_planes, self.block_size, self.num_kv_heads, self.head_size)
 
     @property
     def page_size_bytes(self) -> int:
@@ -102,6 +105,11 @@ class AttentionSpec:
 
     def max_blocks_per_request(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullAttentionSpec(AttentionSpec):
+    """Full attention: every token of the request is attended, so every block moves."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,7 +143,7 @@ class MLASpec(AttentionSpec):
             raise ValueError(f"MLASpec.num_kv_heads must be 1, got {self.num_kv_heads}")
 
     @property
-    def num_planes(self) -> int:
+    def num_kv_planes(self) -> int:
         return 1
 
     @property
@@ -209,9 +217,9 @@ class KVLayout:
                     f"group 0 has {first.page_size_bytes} B {first.dtype}: groups sharing "
                     "physical tensors need one page size and dtype (pad or rescale block sizes)"
                 )
-            if spec.num_planes != first.num_planes:
+            if spec.num_kv_planes != first.num_kv_planes:
                 raise ValueError("all groups must have the same number of planes (K/V vs MLA)")
-        if self.cache_layout is CacheLayout.KV_SPLIT and first.num_planes != 2:
+        if self.cache_layout is CacheLayout.KV_SPLIT and first.num_kv_planes != 2:
             raise ValueError(
                 "CacheLayout.KV_SPLIT needs K and V planes; MLA has one latent plane: "
                 "use CacheLayout.PACKED"
@@ -257,6 +265,7 @@ class KVLayout:
 
     @property
     def num_planes(self) -> int:
+        """Planes of a tensor's canonical view: 1 (K and V packed per block) or 2 (K/V split)."""
         return 1 if self.cache_layout is CacheLayout.PACKED else 2
 
     @property
@@ -363,88 +372,3 @@ def group_layers(layers: list[tuple[str, AttentionSpec]]) -> tuple[KVGroup, ...]
                 KVGroup(group_id=len(groups), layer_names=tuple(names[k::num]), spec=spec)
             )
     return tuple(groups)
-
-
-def synthetic_layout(
-    *,
-    num_layers: int,
-    num_groups: int,
-    num_blocks: int,
-    block_size: int = 16,
-    num_kv_heads: int = 4,
-    head_size: int = 128,
-    dtype: str = "float16",
-    cache_layout: CacheLayout = CacheLayout.PACKED,
-) -> KVLayout:
-    """``num_layers`` layers striped over ``num_groups`` groups of one spec.
-
-    Mirrors the seed benchmark's regime (16 layers, 32 KiB pages by default) with real
-    hybrid aliasing: layer j goes to group j mod num_groups, so the pool has
-    cdiv(num_layers, num_groups) physical tensors.
-    """
-    _require_positive("synthetic_layout", num_layers=num_layers, num_groups=num_groups)
-    if num_groups > num_layers:
-        raise ValueError(f"num_groups ({num_groups}) cannot exceed num_layers ({num_layers})")
-    spec = AttentionSpec(
-        block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype
-    )
-    names = [f"layers.{j}" for j in range(num_layers)]
-    groups = tuple(
-        KVGroup(group_id=g, layer_names=tuple(names[g::num_groups]), spec=spec)
-        for g in range(num_groups)
-    )
-    return KVLayout(
-        num_blocks=num_blocks,
-        groups=groups,
-        cache_layout=cache_layout,
-        name=f"synthetic-{num_layers}L-{num_groups}G",
-    )
-
-
-def _gemma3_1b(bs: int) -> list[tuple[str, AttentionSpec]]:
-    sw = SlidingWindowSpec(block_size=bs, num_kv_heads=1, head_size=256, sliding_window=512)
-    fa = AttentionSpec(block_size=bs, num_kv_heads=1, head_size=256)
-    return [(f"layers.{i}", fa if i % 6 == 5 else sw) for i in range(26)]
-
-
-def _llama31_8b(bs: int) -> list[tuple[str, AttentionSpec]]:
-    fa = AttentionSpec(block_size=bs, num_kv_heads=8, head_size=128)
-    return [(f"layers.{i}", fa) for i in range(32)]
-
-
-def _gpt_oss_20b(bs: int) -> list[tuple[str, AttentionSpec]]:
-    sw = SlidingWindowSpec(block_size=bs, num_kv_heads=8, head_size=64, sliding_window=128)
-    fa = AttentionSpec(block_size=bs, num_kv_heads=8, head_size=64)
-    return [(f"layers.{i}", sw if i % 2 == 0 else fa) for i in range(24)]
-
-
-def _deepseek_v2_lite(bs: int) -> list[tuple[str, AttentionSpec]]:
-    mla = MLASpec(block_size=bs, head_size=512 + 64)
-    return [(f"layers.{i}", mla) for i in range(27)]
-
-
-PRESETS = {
-    "gemma-3-1b": _gemma3_1b,
-    "llama-3.1-8b": _llama31_8b,
-    "gpt-oss-20b": _gpt_oss_20b,
-    "deepseek-v2-lite": _deepseek_v2_lite,
-}
-
-
-def preset(
-    name: str,
-    *,
-    num_blocks: int = 1024,
-    block_size: int = 16,
-    cache_layout: CacheLayout = CacheLayout.PACKED,
-) -> KVLayout:
-    """A model's KV layout: ``gemma-3-1b`` (7 groups, 4 tensors), ``llama-3.1-8b`` (1 group,
-    32 tensors), ``gpt-oss-20b`` (2 groups, 12 tensors), ``deepseek-v2-lite`` (MLA, 27)."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return KVLayout(
-        num_blocks=num_blocks,
-        groups=group_layers(PRESETS[name](block_size)),
-        cache_layout=cache_layout,
-        name=name,
-    )

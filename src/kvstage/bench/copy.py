@@ -35,11 +35,13 @@ from kvstage.bench.report import (
     write_json,
 )
 from kvstage.blocks import BlockPool, GroupedBlockIds, clip_to_window, request_blocks
+from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine, Direction
-from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
-from kvstage.layout import PRESETS, KVLayout, cdiv, preset, synthetic_layout
-from kvstage.ops import OpCounter
+from kvstage.layout import KVLayout, cdiv
 from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, plan_copy
+from kvstage.presets import PRESETS, preset, synthetic_layout
+from kvstage.testing.baselines import BaselineEngine, make_engine
+from kvstage.testing.opcount import OpCounter
 
 STRATEGIES = ("per_group", "coalesced", "fused")
 # the ops both counters must agree on (profiler outermost aten ops vs OpCounter)
@@ -226,12 +228,12 @@ class Bench:
         hosts = [HostLayout(h) for h in args.host_layout]
         self.hosts = {h: HostBuffer.for_device(case.layout, args.device, h) for h in hosts}
         multi = len(hosts) > 1
-        self.variants: dict[str, tuple[CopyEngine, HostLayout]] = {}
+        self.variants: dict[str, tuple[CopyEngine | BaselineEngine, HostLayout]] = {}
         for strategy in args.strategies:
             for h in hosts if strategy == "fused" else hosts[:1]:
                 name = f"fused[{h.value}]" if strategy == "fused" and multi else strategy
-                engine = CopyEngine(self.cache, self.hosts[h], strategy=strategy,
-                                    max_temp_bytes=args.max_temp_bytes, mode=args.fused_mode)
+                engine = _engine(self.cache, self.hosts[h], strategy, args.max_temp_bytes,
+                                 args.fused_mode)
                 self.variants[name] = (engine, h)
         # the memcpy reference: one contiguous copy_ of fused's bytes, host <-> device
         # (in the KV dtype, so the same copy kernel runs; only the strides differ)
@@ -258,6 +260,7 @@ class Bench:
         """Copy once into zeroed destination blocks and compare with the source blocks."""
         engine, h = self.variants[name]
         dev, host = self.cache.canonical, self.hosts[h].canonical
+        assert dev is not None  # the bench allocates kvstage's own slab
         ids = torch.from_numpy(self.plan.block_ids.copy())
         dev_ids = ids.to(dev.device)
         want = dev[:, :, dev_ids].cpu()  # random bytes (fill_random): no false match
@@ -361,15 +364,23 @@ add_arguments = add_copy_arguments
 run = run_copy
 
 
+def _engine(cache: KVCache, host: HostBuffer, strategy: str, max_temp_bytes: int,
+            mode: str) -> CopyEngine | BaselineEngine:
+    options: dict[str, Any] = {"max_temp_bytes": max_temp_bytes, "mode": mode}
+    return make_engine(cache, host, strategy, **(options if strategy == "fused" else {}))
+
+
 # -- op counts and memory -------------------------------------------------------------
-def _expected_ops(bench: Bench, engine: CopyEngine, direction: Direction) -> dict[str, int]:
+def _expected_ops(
+    bench: Bench, engine: CopyEngine | BaselineEngine, direction: Direction
+) -> dict[str, int]:
     """Exact device ops per request: per_group G x L x k, coalesced L x k, fused one op
     set per run (direct) or per chunk plus one DMA per run piece (staged); k = 2
     (index, index_put_) as counted here (CUDA's .to() copy is a separate _to_copy)."""
     layout, plan = bench.case.layout, bench.plan
     out = dict.fromkeys(COMPARED_OPS, 0)
-    strategy = engine.strategy.value
-    if strategy != "fused":
+    strategy = engine.strategy.value if isinstance(engine, BaselineEngine) else "fused"
+    if not isinstance(engine, CopyEngine):
         calls = sum(1 for g in bench.case.groups if g) if strategy == "per_group" else 1
         out["index"] = out["index_put_"] = calls * layout.num_layers
     elif engine.mode == "direct":
@@ -422,8 +433,7 @@ def measure_memory(bench: Bench, direction: Direction, args: argparse.Namespace
     bound = args.max_temp_bytes + layout.block_bytes  # a chunk always holds >= 1 block
     rows = []
     for strategy, mode in variants:
-        engine = CopyEngine(bench.cache, host, strategy=strategy,
-                            max_temp_bytes=args.max_temp_bytes, mode=mode)  # type: ignore[arg-type]
+        engine = _engine(bench.cache, host, strategy, args.max_temp_bytes, mode)
         fn = lambda e=engine: e.copy(bench.ids, direction)  # noqa: E731
         fn()
         bench.sync()

@@ -49,13 +49,14 @@ from typing import Any
 
 from kvstage.bench.report import machine_info, write_json
 from kvstage.blocks import request_blocks
-from kvstage.host_buffer import HostLayout
-from kvstage.layout import PRESETS, CacheLayout, KVLayout, MLASpec, preset
+from kvstage.cache import HostLayout
+from kvstage.layout import CacheLayout, KVLayout, MLASpec
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.pd.handshake import PeerError
-from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.presets import PRESETS, preset
+from kvstage.testing.pattern import verify_request
 
 FAULTY_KINDS = ("read_fail", "read_timeout", "abort_stalled", "notif_lost", "lease_expired")
 FAULT_KINDS = (*FAULTY_KINDS, "abort")

@@ -36,14 +36,15 @@ import numpy as np
 
 from kvstage.bench.report import Column, format_bytes, machine_info, print_table, ratio, write_json
 from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
+from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine
-from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
-from kvstage.layout import PRESETS, KVLayout, preset
+from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd import multihost
 from kvstage.pd.decode import pair_runs
 from kvstage.pd.handshake import SideChannelClient, parse_address
-from kvstage.pd.pattern import verify_request
+from kvstage.presets import PRESETS, preset
+from kvstage.testing.pattern import verify_request
 from kvstage.transport.base import TransferState, Transport, wait
 
 METHODS = ("merged", "per_block", "one_large")

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvstage.blocks import BlockPool, GroupedBlockIds
+from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine
-from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.handshake import DEFAULT_TIMEOUT_S, SideChannelClient

@@ -20,11 +20,11 @@ import time
 from collections.abc import Callable
 from contextlib import ExitStack
 
-from kvstage.host_buffer import HostLayout
-from kvstage.layout import preset
+from kvstage.cache import HostLayout
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.handshake import parse_address
 from kvstage.pd.roles import Row, print_rows, print_summary, run_one
+from kvstage.presets import preset
 
 START_TIMEOUT_S = 60.0
 HYBRID_PROMPTS = [512, 1024, 2048, 4096, 8192]

@@ -11,6 +11,7 @@ import msgspec
 from kvstage.layout import (
     AttentionSpec,
     CacheLayout,
+    FullAttentionSpec,
     KVGroup,
     KVLayout,
     MLASpec,
@@ -185,7 +186,7 @@ def layout_from_msg(msg: LayoutMsg) -> KVLayout:
                 sliding_window=s.sliding_window,
             )
         elif s.kind == "full":
-            spec = AttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
+            spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
         else:
             raise ValueError(f"unknown attention spec kind {s.kind!r} from peer")
         groups.append(KVGroup(group_id=g.group_id, layer_names=tuple(g.layer_names), spec=spec))

@@ -17,12 +17,12 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
+from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine
-from kvstage.host_buffer import HostBuffer, HostLayout, KVCache
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.handshake import DEFAULT_HOST, SideChannelServer
-from kvstage.pd.pattern import fill_request
+from kvstage.testing.pattern import fill_request
 from kvstage.transport.factory import make_transport
 
 DEFAULT_LEASE_S = 30.0

@@ -20,14 +20,15 @@ from dataclasses import asdict, dataclass
 from types import FrameType
 from typing import TextIO
 
-from kvstage.host_buffer import HostLayout
-from kvstage.layout import PRESETS, KVLayout, preset
+from kvstage.cache import HostLayout
+from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd import multihost
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.handshake import HandshakeTimeout, PeerError, parse_address
-from kvstage.pd.pattern import verify_request
 from kvstage.pd.prefill import DEFAULT_LEASE_S, PrefillWorker
+from kvstage.presets import PRESETS, preset
+from kvstage.testing.pattern import verify_request
 
 DEFAULT_PORT = 5600
 DEFAULT_BLOCKS = {"llama-3.1-8b": 192, "gpt-oss-20b": 768}

@@ -186,7 +186,7 @@ def tensor_region(t: torch.Tensor) -> tuple[int, int]:
         raise ValueError(
             f"register_tensor() needs a contiguous, non-empty CPU tensor; got device="
             f"{t.device}, contiguous={t.is_contiguous()}, numel={t.numel()}. Register the "
-            f"host buffer itself (e.g. the slab from host_buffer), not a view of it."
+            f"host buffer itself (e.g. the storage of a HostBuffer), not a view of it."
         )
     return t.data_ptr(), t.numel() * t.element_size()
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from kvstage.host_buffer import KVCache
+from kvstage.cache import KVCache
 from kvstage.layout import KVLayout
 
 _GOLDEN = np.uint32(0x9E3779B1)
@@ -37,9 +37,10 @@ def pattern(layout: KVLayout, seed: int, group: int, n: int) -> np.ndarray:
     return mixed.view(np.uint8)
 
 
-def _canonical_bytes(cache: KVCache) -> torch.Tensor:
-    t, p, nb, e = cache.layout.canonical_shape
-    return cache.slab.view(torch.uint8).view(t, p, nb, -1)
+def _tensor_bytes(cache: KVCache) -> list[torch.Tensor]:
+    """Each physical tensor as ``[P, NB, E_bytes]`` uint8 (engine-owned tensors too)."""
+    _, p, nb, _ = cache.layout.canonical_shape
+    return [v.view(torch.uint8).view(p, nb, -1) for v in cache.tensor_views]
 
 
 def _rows(layout: KVLayout, rows: np.ndarray) -> torch.Tensor:
@@ -50,13 +51,14 @@ def _rows(layout: KVLayout, rows: np.ndarray) -> torch.Tensor:
 
 def fill_request(cache: KVCache, block_ids: Sequence[Sequence[int]], seed: int) -> None:
     """Write the pattern of every (group, position) into its block, every tensor."""
-    dst = _canonical_bytes(cache)
+    tensors = _tensor_bytes(cache)
     for g, ids in enumerate(block_ids):
         if not ids:
             continue
         idx = torch.tensor(list(ids), dtype=torch.int64, device=cache.device)
-        rows = _rows(cache.layout, pattern(cache.layout, seed, g, len(ids)))
-        dst[:, :, idx] = rows.to(cache.device)
+        rows = _rows(cache.layout, pattern(cache.layout, seed, g, len(ids))).to(cache.device)
+        for t, dst in enumerate(tensors):
+            dst[:, idx] = rows[t]
 
 
 def verify_request(
@@ -64,13 +66,13 @@ def verify_request(
 ) -> list[str]:
     """Mismatches (empty list = every byte right). ``block_ids[g][i]`` must hold pattern
     position ``skip + i`` of group g (``skip`` > 0 when decode already held a prefix)."""
-    src = _canonical_bytes(cache)
+    tensors = _tensor_bytes(cache)
     problems = []
     for g, ids in enumerate(block_ids):
         if not ids:
             continue
         idx = torch.tensor(list(ids), dtype=torch.int64, device=cache.device)
-        got = src[:, :, idx].cpu()
+        got = torch.stack([src[:, idx] for src in tensors]).cpu()
         want = _rows(cache.layout, pattern(cache.layout, seed, g, len(ids) + skip)[skip:])
         bad = (got != want).flatten(start_dim=3).any(dim=3).any(dim=0).any(dim=0)
         for pos in torch.nonzero(bad).flatten().tolist():
