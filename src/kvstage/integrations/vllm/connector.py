@@ -1,0 +1,240 @@
+"""`KVStageConnector`: vLLM's NIXL connector with kvstage's host buffers and copy.
+
+Contract
+--------
+Loaded by vLLM (both the prefill and the decode instance must load it)::
+
+    --kv-transfer-config '{"kv_connector": "KVStageConnector",
+        "kv_connector_module_path": "kvstage.integrations.vllm",
+        "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu"}'
+
+What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothing else:
+- Host buffers: ONE host allocation per physical device KV storage (pinned on CUDA), every
+  layer name a view of it with its device view's offset, shape and strides
+  (`host_buffers.mirror_host_buffers`). Layers of different KV cache groups alias on the host
+  exactly as on the device, so host memory equals the device pool (vLLM: one buffer per layer
+  name, about groups x the pool), and vLLM's registration, which keeps one NIXL region per
+  base address and one registration per storage, registers each physical tensor once.
+  With vLLM's per-layer buffers a READ fills each region for its own group's blocks only,
+  then the h2d writes every layer name into the aliased device views and the last writer
+  (a layer whose buffer never got those blocks) wins: wrong tokens on hybrid models.
+- d2h/h2d: `host_buffers.BlockCopier`, one ``copy_`` per distinct view per run of
+  consecutive block ids, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
+- Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
+  scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two
+  would keep its first part's bytes only).
+- Handshake: the compatibility hash carries ``kvstage<N>:``; the decode side refuses a
+  prefill peer whose hash lacks it, saying the peer does not run kvstage (a plain NIXL peer
+  would read or serve per-layer buffers), and the check is always enforced.
+- ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
+  on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
+  on the worker and the scheduler side: it is how the path is tested without a GPU.
+
+Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
+``get_finished``); this module starts no thread.
+
+vLLM versions supported: 0.32.0. The subclass surface, all of it (check these against a
+new vLLM version; everything else is vLLM's own code):
+- `KVStageConnector(NixlConnector)`: ``__init__`` (calls ``NixlBaseConnector.__init__`` and
+  builds the two classes below instead of NixlConnector's).
+- `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
+  ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``; attributes
+  used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
+  ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``.
+- `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``;
+  attributes used: ``use_host_buffer``, ``_reqs_need_save``, ``get_exchange_clipped_blocks``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlBaseConnector,
+    NixlConnector,
+    NixlConnectorScheduler,
+    NixlConnectorWorker,
+    NixlHandshakePayload,
+)
+from vllm.logger import init_logger
+
+from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# under "vllm." so the messages go where vLLM's own go
+logger = init_logger(f"vllm.{__name__}")
+
+#: Bumped whenever the bytes kvstage puts on the wire change meaning.
+KVSTAGE_PROTOCOL = 1
+HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
+FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
+
+_REMOTE_HASH = re.compile(r"Remote: ([^\s,]+?)\.?(?:\s|$)")
+
+
+def _force_host_buffer(vllm_config: VllmConfig) -> bool:
+    cfg = vllm_config.kv_transfer_config
+    assert cfg is not None
+    if cfg.kv_buffer_device != "cpu":
+        raise ValueError(
+            f"KVStageConnector stages KV through host memory: kv_buffer_device must be "
+            f'\'cpu\', got {cfg.kv_buffer_device!r}; add "kv_buffer_device": "cpu" to '
+            "--kv-transfer-config (or use NixlConnector for device-to-device transfers)"
+        )
+    return bool(cfg.get_from_extra_config(FORCE_HOST_BUFFER_KEY, False))
+
+
+class KVStageConnectorWorker(NixlConnectorWorker):
+    """NIXL worker whose host buffers alias like the device and whose copy is fused."""
+
+    compat_hash: str | None  # set by vLLM's register_kv_caches
+    xfer_handshake_metadata: Any
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        if _force_host_buffer(vllm_config):
+            self.use_host_buffer = True
+        if self.kv_transfer_config.enable_permute_local_kv:
+            raise ValueError(
+                "KVStageConnector keeps the host layout equal to the device layout; "
+                "enable_permute_local_kv (heterogeneous TP permute) is not supported"
+            )
+        # Both sides must stage through kvstage's buffers: the check is not optional.
+        self.enforce_compat_hash = True
+        self._copier: BlockCopier | None = None
+
+    def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.host_xfer_buffers = mirror_host_buffers(kv_caches)
+        self._copier = BlockCopier(kv_caches, self.host_xfer_buffers)
+        # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
+        # set ours now, so the path is complete whatever the platform.
+        self.copy_blocks = self._copier
+        per_layer = sum(t.nbytes for t in kv_caches.values())
+        logger.info(
+            "kvstage host buffers: %d layer names over %d allocation(s), %d bytes "
+            "(per-layer-name buffers would take %d); %d distinct views copied per run",
+            len(kv_caches),
+            len({t.untyped_storage().data_ptr() for t in self.host_xfer_buffers.values()}),
+            host_nbytes(self.host_xfer_buffers),
+            per_layer,
+            len(self._copier.layer_names),
+        )
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        # vLLM's op copies every layer name (aliases again); ours is already in place.
+        del copy_operation
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        assert self.compat_hash is not None
+        payload = self.xfer_handshake_metadata
+        self.compat_hash = HASH_PREFIX + self.compat_hash
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=self.compat_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes,
+        )
+
+    def _nixl_handshake(
+        self, host: str, port: int, *args: Any, **kwargs: Any
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        try:
+            return super()._nixl_handshake(host, port, *args, **kwargs)
+        except RuntimeError as e:
+            if "compatibility hash mismatch" not in str(e):
+                raise
+            match = _REMOTE_HASH.search(str(e))
+            remote = match.group(1) if match else "?"
+            if not remote.startswith("kvstage"):
+                raise RuntimeError(
+                    f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
+                    f"KV connector (its handshake hash {remote[:16]}... has no "
+                    f"{HASH_PREFIX!r} prefix). Both instances must load KVStageConnector "
+                    '("kv_connector": "KVStageConnector", "kv_connector_module_path": '
+                    '"kvstage.integrations.vllm"): a plain NixlConnector peer stages '
+                    "through per-layer buffers that do not match kvstage's host layout"
+                ) from e
+            raise RuntimeError(
+                f"the prefill peer at {host}:{port} runs kvstage but a different "
+                f"configuration or version (local hash {self.compat_hash}, remote "
+                f"{remote}): {e}"
+            ) from e
+
+
+class KVStageConnectorScheduler(NixlConnectorScheduler):
+    """NIXL scheduler side: host path switchable on CPU, save once per finished prompt."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        if _force_host_buffer(vllm_config):
+            self.use_host_buffer = True
+        # request id -> the block ids scheduled so far, per KV cache group
+        self._kvstage_pending: dict[str, list[list[int]]] = {}
+
+    def _build_save_meta(
+        self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput
+    ) -> None:
+        # Forget requests vLLM dropped from the save set (aborted partial prefills).
+        for req_id in list(self._kvstage_pending):
+            if req_id not in self._reqs_need_save:
+                del self._kvstage_pending[req_id]
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        assert num_scheduled is not None
+        for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
+            req = self._reqs_need_save.get(req_id)
+            if req is None:
+                continue
+            groups = self._kvstage_pending.get(req_id)
+            if new_block_ids is not None:
+                if groups is None or resumed:  # a resumed request lists all its blocks
+                    groups = [list(g) for g in new_block_ids]
+                else:
+                    for acc, new in zip(groups, new_block_ids, strict=True):
+                        acc.extend(new)
+                self._kvstage_pending[req_id] = groups
+            if req.num_computed_tokens + num_scheduled[req_id] < req.num_prompt_tokens:
+                continue  # partial prefill: save when the last chunk has run
+            del self._reqs_need_save[req_id]
+            self._kvstage_pending.pop(req_id, None)
+            if not groups:
+                continue
+            assert req.kv_transfer_params is not None
+            meta.add_new_req_to_save(
+                request_id=req_id,
+                local_block_ids=self.get_exchange_clipped_blocks(tuple(groups), clip_ssm=False),
+                kv_transfer_params=req.kv_transfer_params,
+            )
+
+
+class KVStageConnector(NixlConnector):
+    """vLLM's NIXL (pull) connector with kvstage's host-buffer side; see the module doc."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        # NixlConnector.__init__ would build vLLM's own worker (a NIXL agent and a side
+        # channel) only for it to be replaced: start from the base class instead.
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        assert self.engine_id is not None
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KVStageConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = KVStageConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config
+            )
+        else:
+            raise ValueError(f"unsupported KV connector role: {role!r}")

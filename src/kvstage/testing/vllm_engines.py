@@ -1,0 +1,342 @@
+"""Real vLLM engines in child processes, for kvstage's tests and benches (CPU, 127.0.0.1).
+
+Contract:
+- `VLLMEngine(spec)` starts ``python -m kvstage.testing.vllm_engines`` in its own process
+  group with one offline ``vllm.LLM`` inside (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine
+  core and worker live in that one process, so killing it leaves nothing behind).
+- Requests go in as JSON lines on the child's stdin; results come back as JSON lines on a
+  dedicated pipe (vLLM's own prints go to the log file, never into the protocol).
+- Every wait is bounded: `start` and `generate` take a timeout and raise `EngineError`
+  (with the log's tail) when it passes or when the child dies. `stop` kills the process
+  group (SIGTERM, then SIGKILL after a grace period); `kill` is SIGKILL at once, for fault
+  tests. The parent never imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class EngineError(RuntimeError):
+    """The engine child died, refused to start, or did not answer in time."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """One engine: the model directory and the knobs the tests vary."""
+
+    model: str
+    log_path: str
+    kv_transfer_config: dict[str, Any] | None = None
+    max_model_len: int = 512
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 16
+    block_size: int = 16
+    kv_cache_gib: int = 1
+    cpu_core: int = 0
+    dtype: str = "float32"
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Completion:
+    """One request's result. ``logprobs[i]`` maps token id -> logprob at output step i."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]
+    kv_transfer_params: dict[str, Any] | None
+    finish_reason: str | None
+    seconds_to_first_token: float | None
+
+
+class VLLMEngine:
+    """A vLLM engine in a child process; use as a context manager."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.spec = spec
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._results: int | None = None
+        self._buf = b""
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self, timeout: float = 240.0) -> VLLMEngine:
+        read_fd, write_fd = os.pipe()
+        env = dict(os.environ)
+        env.update(
+            VLLM_ENABLE_V1_MULTIPROCESSING="0",
+            VLLM_CPU_KVCACHE_SPACE=str(self.spec.kv_cache_gib),
+            VLLM_CPU_OMP_THREADS_BIND=str(self.spec.cpu_core),
+            OMP_NUM_THREADS="1",
+            UCX_NET_DEVICES="lo",
+            VLLM_HOST_IP="127.0.0.1",
+            VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            KVSTAGE_ENGINE_RESULT_FD=str(write_fd),
+        )
+        env.update(self.spec.env)
+        log = open(self.spec.log_path, "ab")  # noqa: SIM115 (closed right after Popen)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, json.dumps(asdict(self.spec))],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+            os.close(write_fd)
+        self._results = read_fd
+        self._read_message(timeout, expect="ready")
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self._proc is not None, "engine not started"
+        return self._proc.pid
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int,
+        logprobs: int = 5,
+        kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
+        timeout: float = 240.0,
+    ) -> list[Completion]:
+        """Greedy generation of every prompt in one ``LLM.generate`` call."""
+        assert self._proc is not None and self._proc.stdin is not None, "engine not started"
+        params = list(kv_transfer_params or [None] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} kv_transfer_params")
+        request = {"prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
+                   "kv_transfer_params": params}
+        self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self._proc.stdin.flush()
+        message = self._read_message(timeout, expect="results")
+        return [
+            Completion(
+                token_ids=r["token_ids"],
+                logprobs=[{int(k): v for k, v in step.items()} for step in r["logprobs"]],
+                kv_transfer_params=r["kv_transfer_params"],
+                finish_reason=r["finish_reason"],
+                seconds_to_first_token=r["seconds_to_first_token"],
+            )
+            for r in message["results"]
+        ]
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group now (a crash, for fault tests)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+
+    def stop(self, grace: float = 15.0) -> None:
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            try:
+                os.killpg(self._proc.pid, signal.SIGTERM)
+                self._proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._proc.pid, signal.SIGKILL)
+                self._proc.wait(timeout=30)
+            except ProcessLookupError:
+                pass
+        if self._proc.stdin is not None:
+            self._proc.stdin.close()
+        if self._results is not None:
+            os.close(self._results)
+            self._results = None
+        self._proc = None
+
+    def log_tail(self, num_bytes: int = 6000) -> str:
+        try:
+            data = Path(self.spec.log_path).read_bytes()
+        except OSError:
+            return ""
+        return data[-num_bytes:].decode(errors="replace")
+
+    def _read_message(self, timeout: float, *, expect: str) -> dict[str, Any]:
+        assert self._proc is not None and self._results is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._results, selectors.EVENT_READ)
+            while b"\n" not in self._buf:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise EngineError(
+                        f"no {expect!r} from the engine within {timeout:.0f} s; "
+                        f"log tail:\n{self.log_tail()}"
+                    )
+                if sel.select(timeout=min(left, 1.0)):
+                    chunk = os.read(self._results, 1 << 20)
+                    if not chunk:
+                        raise EngineError(
+                            f"engine exited (rc={self._proc.poll()}) before {expect!r}; "
+                            f"log tail:\n{self.log_tail()}"
+                        )
+                    self._buf += chunk
+                elif self._proc.poll() is not None:
+                    raise EngineError(
+                        f"engine exited (rc={self._proc.returncode}) before {expect!r}; "
+                        f"log tail:\n{self.log_tail()}"
+                    )
+        line, _, self._buf = self._buf.partition(b"\n")
+        message: dict[str, Any] = json.loads(line)
+        if message.get("error"):
+            raise EngineError(f"engine failed: {message['error']}")
+        if message.get("kind") != expect:
+            raise EngineError(f"expected {expect!r} from the engine, got {message!r}")
+        return message
+
+
+def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import here
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    out = os.fdopen(int(os.environ["KVSTAGE_ENGINE_RESULT_FD"]), "w", buffering=1)
+
+    def send(message: dict[str, Any]) -> None:
+        out.write(json.dumps(message) + "\n")
+
+    engine_args: dict[str, Any] = {
+        "model": spec.model,
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "dtype": spec.dtype,
+        "max_model_len": spec.max_model_len,
+        "max_num_batched_tokens": spec.max_num_batched_tokens,
+        "max_num_seqs": spec.max_num_seqs,
+        "block_size": spec.block_size,
+        "enable_prefix_caching": False,
+        "seed": 0,
+    }
+    if spec.kv_transfer_config is not None:
+        engine_args["kv_transfer_config"] = spec.kv_transfer_config
+    llm = LLM(**engine_args)
+    send({"kind": "ready"})
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
+            params = [
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=request["max_tokens"],
+                    logprobs=request["logprobs"],
+                    detokenize=False,
+                    extra_args={"kv_transfer_params": kv} if kv is not None else None,
+                )
+                for kv in request["kv_transfer_params"]
+            ]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # report it to the parent, then keep serving
+            send({"kind": "results", "error": f"{type(e).__name__}: {e}"})
+            continue
+        results = []
+        for o in outputs:
+            c = o.outputs[0]
+            steps = [{str(k): v.logprob for k, v in step.items()} for step in (c.logprobs or [])]
+            m = o.metrics
+            ttft = getattr(m, "first_token_latency", None) if m is not None else None
+            results.append({
+                "token_ids": list(c.token_ids),
+                "logprobs": steps,
+                "kv_transfer_params": o.kv_transfer_params,
+                "finish_reason": c.finish_reason,
+                "seconds_to_first_token": ttft,
+            })
+        send({"kind": "results", "results": results})
+
+
+if __name__ == "__main__":
+    _serve(EngineSpec(**json.loads(sys.argv[1])))
+
+
+# Connectors the tests and benches compare: (class name, module path).
+KVSTAGE_CONNECTOR = ("KVStageConnector", "kvstage.integrations.vllm")
+VLLM_HOST_PATH_CONNECTOR = ("VLLMHostPathConnector", "kvstage.testing.vllm_baseline")
+
+
+def kv_transfer_config(
+    connector: tuple[str, str], role: str, **extra_config: Any
+) -> dict[str, Any]:
+    """A ``kv_transfer_config`` with the host path forced on (CPU platform)."""
+    name, module = connector
+    return {
+        "kv_connector": name,
+        "kv_connector_module_path": module,
+        "kv_role": role,
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"kvstage_force_host_buffer": True, **extra_config},
+    }
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a NIXL side channel)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def side_channel_env(port: int) -> dict[str, str]:
+    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+
+
+# What a proxy sends the prefill instance: "decode happens elsewhere, keep the blocks".
+PREFILL_REQUEST_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def generate_pd(
+    prefill: VLLMEngine,
+    decode: VLLMEngine,
+    prompts: list[list[int]],
+    *,
+    max_tokens: int,
+    logprobs: int = 5,
+    timeout: float = 240.0,
+) -> list[Completion]:
+    """Prefill on one engine (1 token), then decode on the other with the prefill's params."""
+    first = prefill.generate(
+        prompts, max_tokens=1, logprobs=logprobs, timeout=timeout,
+        kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS) for _ in prompts],
+    )
+    params = []
+    for i, c in enumerate(first):
+        if not c.kv_transfer_params:
+            raise EngineError(f"prefill returned no kv_transfer_params for prompt {i}")
+        params.append(c.kv_transfer_params)
+    return decode.generate(
+        prompts, max_tokens=max_tokens, logprobs=logprobs, kv_transfer_params=params,
+        timeout=timeout,
+    )
