@@ -155,24 +155,27 @@ def _check_caches(
 
 
 def _check_ids(side: str, ids: object) -> np.ndarray:
-    """int64 ``[n]``: ints (Python or numpy, never bools) >= 0."""
+    """int64 ``[n]``: ints (Python or numpy, never bools), 0 <= id < 2**63."""
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise TypeError(f"{side}_block_ids must be a list of ints, got {type(ids).__name__}")
-    if set(map(type, ids)) <= _INT_TYPES:
+    if not set(map(type, ids)) <= _INT_TYPES:  # the first id of another type, for the message
+        for i, b in enumerate(ids):
+            if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
+                raise TypeError(
+                    f"{side}_block_ids[{i}] must be an int block id, got {type(b).__name__} {b!r}"
+                )
+        ids = [int(b) for b in ids]  # int subclasses, numpy uint64
+    try:
         arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-        if not arr.size or arr.min() >= 0:
-            return arr
-    for i, b in enumerate(ids):  # the first bad id, for the message
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)):
-            raise TypeError(
-                f"{side}_block_ids[{i}] must be an int block id, got {type(b).__name__} {b!r}"
-            )
-        if b < 0:
-            raise ValueError(
-                f"{side}_block_ids[{i}] is {b}: block ids are >= 0 (0 = null block); "
-                "vLLM's op would wrap it around to the last blocks"
-            )
-    raise AssertionError("unreachable: an id was refused above")
+    except OverflowError:
+        raise ValueError(f"{side}_block_ids has an id beyond int64: block ids are small") from None
+    if arr.size and arr.min() < 0:
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise ValueError(
+            f"{side}_block_ids[{i}] is {arr[i]}: block ids are >= 0 (0 = null block); "
+            "vLLM's op would wrap it around to the last blocks"
+        )
+    return arr
 
 
 def _key(t: torch.Tensor) -> _Key:
@@ -192,8 +195,7 @@ def _analyse(
     layers: tuple[tuple[str, _Key, _Key], ...], direction: str, block_dim: int
 ) -> _Analysis:
     """Every check that depends on the dicts only, and the path to take."""
-    for side, pos in (("src", 1), ("dst", 2)):
-        keys = [lay[1] if pos == 1 else lay[2] for lay in layers]
+    for side, keys in (("src", [k for _, k, _ in layers]), ("dst", [k for _, _, k in layers])):
         devices = sorted({k[0] if k[1] < 0 else f"{k[0]}:{k[1]}" for k in keys})
         if len(devices) != 1:
             raise ValueError(f"{side}_caches span devices {devices}; use one")
