@@ -6,7 +6,9 @@ Primitive: ``copy_blocks(src_caches, dst_caches, src_block_ids, dst_block_ids, d
 *, block_dim=0)``, the op vLLM's NIXL connector installs with ``set_host_xfer_buffer_ops``.
 Its result is byte-identical to vLLM's op with the CUDA platform's bodies: for every layer
 name in ``src_caches`` order, ``dst[dst_ids] = src[src_ids]`` along ``block_dim`` (the
-whole gather first, then the scatter; a destination id given twice keeps its last pair).
+whole gather first, then the scatter; a destination id given twice keeps its last pair,
+which is what vLLM's op gives on the CPU with one thread; with several, torch leaves the
+winner of a repeated ``index_put_`` destination unspecified).
 
 Shapes: ``{layer_name: tensor}`` with the blocks on ``block_dim``. vLLM 0.32.0:
 ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` views of one int8 backing
