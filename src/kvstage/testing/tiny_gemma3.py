@@ -45,7 +45,7 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0) -> Path:
         pad_token_id=0,
         bos_token_id=2,
         eos_token_id=1,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = Gemma3ForCausalLM(config)

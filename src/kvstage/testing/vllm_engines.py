@@ -42,7 +42,7 @@ class EngineSpec:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 16
     block_size: int = 16
-    kv_cache_gib: int = 1
+    kv_cache_bytes: int = 64 << 20  # the KV pool (8192 blocks of the tiny model)
     cpu_core: int = 0
     dtype: str = "float32"
     env: dict[str, str] = field(default_factory=dict)
@@ -77,9 +77,9 @@ class VLLMEngine:
     def start(self, timeout: float = 240.0) -> VLLMEngine:
         read_fd, write_fd = os.pipe()
         env = dict(os.environ)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_KVCACHE_SPACE=str(self.spec.kv_cache_gib),
             VLLM_CPU_OMP_THREADS_BIND=str(self.spec.cpu_core),
             OMP_NUM_THREADS="1",
             UCX_NET_DEVICES="lo",
@@ -230,6 +230,7 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
         "block_size": spec.block_size,
         "enable_prefix_caching": False,
         "seed": 0,
+        "kv_cache_memory_bytes": spec.kv_cache_bytes,
     }
     if spec.kv_transfer_config is not None:
         engine_args["kv_transfer_config"] = spec.kv_transfer_config
