@@ -62,11 +62,11 @@ setup() {
         # shellcheck disable=SC2086  # PIP_ARGS is a list of flags
         "$PY" -m pip install -q $PIP_ARGS "$TORCH_SPEC"
     fi
-    if ! "$PY" -c 'import numpy, zmq, msgspec, pytest, pytest_timeout, hypothesis, matplotlib, rich' \
+    if ! "$PY" -c 'import numpy, zmq, msgspec, pytest, pytest_timeout, hypothesis, matplotlib' \
         2>/dev/null; then
         # shellcheck disable=SC2086
         "$PY" -m pip install -q $PIP_ARGS numpy pyzmq msgspec pytest pytest-timeout \
-            hypothesis matplotlib rich
+            hypothesis matplotlib
     fi
     "$PY" - <<'EOF'
 import torch

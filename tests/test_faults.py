@@ -20,12 +20,12 @@ import pytest
 import zmq
 
 import kvstage as ks
-from kvstage.bench.soak import PrefillThread
+from kvstage.errors import HandshakeTimeout, TransportFailure
 from kvstage.pd import messages as m
-from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.handshake import HandshakeTimeout, SideChannelClient
-from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.decode import READ_FAILED, DecodeWorker, RequestResult
+from kvstage.pd.side_channel import SideChannelClient
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
 
 LAYOUT = ks.preset("gpt-oss-20b", num_blocks=512, block_size=8)  # 2 groups (SW + full)
 NB = LAYOUT.num_blocks
@@ -35,7 +35,7 @@ READ_TIMEOUT_S = 0.3
 
 @contextlib.contextmanager
 def serving(*, lease_s: float = LEASE_S, port: int = 0) -> Iterator[PrefillThread]:
-    server = PrefillThread(PrefillWorker(LAYOUT, transport="loopback", lease_s=lease_s,
+    server = PrefillThread(make_prefill(LAYOUT, transport="loopback", lease_s=lease_s,
                                          port=port))
     try:
         yield server
@@ -51,7 +51,7 @@ def prefill() -> Iterator[PrefillThread]:
 
 @pytest.fixture
 def decode() -> Iterator[DecodeWorker]:
-    with DecodeWorker(LAYOUT, transport="loopback", read_timeout_s=READ_TIMEOUT_S,
+    with make_decode(LAYOUT, transport="loopback", read_timeout_s=READ_TIMEOUT_S,
                       handshake_timeout_s=2.0) as worker:
         yield worker
 
@@ -125,7 +125,7 @@ def test_read_failure(prefill: PrefillThread, decode: DecodeWorker) -> None:
     set_faults(decode, fail_reads=True)
     res = finish_read(decode, decode.start("r1", addr, done.block_ids))
     assert res.status == "failed"
-    assert "NIXL reported the READ failed" in res.reason
+    assert res.code == READ_FAILED and "fail_reads=True" in res.reason  # the transport's words
     assert_decode_clean(decode)  # local blocks freed, handle released, h2d skipped
     s = wait_prefill_free(addr)  # no notification: the lease frees prefill's blocks
     assert (s.completed, s.expired) == (0, 1)
@@ -201,7 +201,7 @@ def test_abort_after_the_read_completed(prefill: PrefillThread, decode: DecodeWo
 @pytest.mark.timeout(30)
 def test_wait_backstop_and_close_abort_stalled_reads(prefill: PrefillThread) -> None:
     addr = prefill.address
-    worker = DecodeWorker(LAYOUT, transport="loopback", read_timeout_s=0.9,
+    worker = make_decode(LAYOUT, transport="loopback", read_timeout_s=0.9,
                           handshake_timeout_s=2.0)
     try:
         set_faults(worker, stall_reads=True)
@@ -245,7 +245,7 @@ def test_decode_never_reads(prefill: PrefillThread, decode: DecodeWorker) -> Non
 
 # ------------------------------------------------------------------------ side channel
 def _assert_handshake_times_out(addr: tuple[str, int]) -> None:
-    worker = DecodeWorker(LAYOUT, transport="loopback", read_timeout_s=READ_TIMEOUT_S,
+    worker = make_decode(LAYOUT, transport="loopback", read_timeout_s=READ_TIMEOUT_S,
                           handshake_timeout_s=0.5)
     try:
         with pytest.raises(HandshakeTimeout) as err:
@@ -285,7 +285,7 @@ def test_side_channel_answers_garbage() -> None:
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    worker = DecodeWorker(LAYOUT, transport="loopback", handshake_timeout_s=2.0)
+    worker = make_decode(LAYOUT, transport="loopback", handshake_timeout_s=2.0)
     answered = []
 
     def answer() -> None:  # one reply that is valid msgpack but no kvstage message
@@ -317,7 +317,7 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
         done = prefill_request(addr, "orphan")
     # prefill is gone: the side channel does not answer, the request fails, bounded
     res = decode.start("orphan", addr, done.block_ids)
-    assert res.status == "failed" and "HandshakeTimeout" in res.reason
+    assert res.status == "failed" and res.code == HandshakeTimeout.code
     assert_decode_clean(decode)
     with serving(lease_s=2.0, port=addr[1]) as second:
         assert second.address == addr
@@ -331,7 +331,7 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
                 assert verify_request(decode.cache, r.local_block_ids, i + 10) == []
                 decode.finish(rid)
             else:
-                assert "TransportError" in r.reason and "was closed" in r.reason
+                assert r.code == TransportFailure.code and "was closed" in r.reason
         assert outcomes[1:] == ["done", "done"], outcomes
         assert_decode_clean(decode)
         s = wait_prefill_free(addr, timeout_s=10)

@@ -1,5 +1,5 @@
 """Faults with real NIXL (UCX over 127.0.0.1) between processes: prefill in a spawned
-child (`kvstage.bench.soak.PrefillChild`), decode in this process (or in a child where
+child (`kvstage.testing.servers.PrefillProcess`), decode in this process (or in a child where
 the decode is the one that dies). Children are killed or stopped in ``finally``.
 
 After each fault: bounded (test timeouts, bounded waits), the request ends "failed" or
@@ -23,11 +23,14 @@ from typing import Any
 
 import pytest
 
-from kvstage.bench.soak import LayoutChoice, PrefillChild
+from kvstage.errors import TransportFailure
+from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.handshake import HandshakeTimeout, SideChannelClient
+from kvstage.pd.side_channel import HandshakeTimeout, SideChannelClient
+from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillProcess, make_decode
 
 HAVE_NIXL = any(importlib.util.find_spec(n) is not None for n in ("nixl_cu12", "nixl"))
 pytestmark = [
@@ -35,15 +38,15 @@ pytestmark = [
     pytest.mark.skipif(not HAVE_NIXL, reason="NIXL not installed (kvstage[nixl])"),
 ]
 
-SMALL = LayoutChoice("gemma-3-1b", num_blocks=256, block_size=16)
+SMALL = preset("gemma-3-1b", num_blocks=256, block_size=16)
 LEASE_S = 1.5
 READ_TIMEOUT_S = 1.0
 
 
 @contextlib.contextmanager
-def prefill_child(choice: LayoutChoice = SMALL, *, lease_s: float = LEASE_S,
-                  port: int = 0) -> Iterator[PrefillChild]:
-    child = PrefillChild(choice, lease_s=lease_s, port=port)
+def prefill_child(choice: KVLayout = SMALL, *, lease_s: float = LEASE_S,
+                  port: int = 0) -> Iterator[PrefillProcess]:
+    child = PrefillProcess(choice, transport="nixl", lease_s=lease_s, port=port)
     try:
         child.wait_ready()
         yield child
@@ -52,9 +55,9 @@ def prefill_child(choice: LayoutChoice = SMALL, *, lease_s: float = LEASE_S,
 
 
 @contextlib.contextmanager
-def decoder(choice: LayoutChoice = SMALL, **kwargs: Any) -> Iterator[DecodeWorker]:
+def decoder(choice: KVLayout = SMALL, **kwargs: Any) -> Iterator[DecodeWorker]:
     kwargs = {"read_timeout_s": READ_TIMEOUT_S, "handshake_timeout_s": 5.0} | kwargs
-    with DecodeWorker(choice.layout(), transport="nixl", **kwargs) as worker:
+    with make_decode(choice, transport="nixl", **kwargs) as worker:
         yield worker
 
 
@@ -112,7 +115,7 @@ def assert_request_works(decode: DecodeWorker, addr: tuple[str, int], rid: str,
     assert_decode_clean(decode)
 
 
-def kill_on_read(decode: DecodeWorker, child: PrefillChild, delay_s: float | None) -> None:
+def kill_on_read(decode: DecodeWorker, child: PrefillProcess, delay_s: float | None) -> None:
     """Wrap decode's transport.read: SIGKILL the prefill child right before the READ is
     posted (``delay_s`` None: and wait until it is dead) or ``delay_s`` after."""
     original = decode.transport.read
@@ -131,7 +134,7 @@ def kill_on_read(decode: DecodeWorker, child: PrefillChild, delay_s: float | Non
 @pytest.mark.timeout(180)
 def test_prefill_killed_before_the_read_then_restarted_on_the_same_port() -> None:
     with decoder() as decode:
-        first = PrefillChild(SMALL, lease_s=LEASE_S)
+        first = PrefillProcess(SMALL, transport="nixl", lease_s=LEASE_S)
         try:
             addr = first.wait_ready()
             assert_request_works(decode, addr, "warm")  # connected, UCX endpoint up
@@ -141,7 +144,7 @@ def test_prefill_killed_before_the_read_then_restarted_on_the_same_port() -> Non
         finally:
             first.kill()
         assert res.status == "failed", res
-        assert "TransportError" in res.reason and "NIXL" in res.reason
+        assert res.code == TransportFailure.code and "NIXL" in res.reason
         assert "NIXL_ERR_REMOTE_DISCONNECT" in res.reason or "NIXL_ERR" in res.reason
         del decode.transport.read  # unwrap
         assert_decode_clean(decode)
@@ -156,7 +159,7 @@ def test_prefill_killed_before_the_read_then_restarted_on_the_same_port() -> Non
             wait_prefill_free(addr, SMALL.num_blocks)
 
 
-LARGE = LayoutChoice("llama-3.1-8b", num_blocks=80, block_size=16)  # 2 MiB a block
+LARGE = preset("llama-3.1-8b", num_blocks=80, block_size=16)  # 2 MiB a block
 
 
 @pytest.mark.timeout(180)
@@ -187,10 +190,10 @@ def test_prefill_killed_during_a_large_read() -> None:
 
 
 # ------------------------------------------------------------------------ decode dies
-def _decode_child(conn: Connection, choice: LayoutChoice, addr: tuple[str, int]) -> None:
+def _decode_child(conn: Connection, choice: KVLayout, addr: tuple[str, int]) -> None:
     """Read one request fully (notification frees it), then prefill + Acquire a second
     one and report; the parent SIGKILLs this process while prefill holds its blocks."""
-    worker = DecodeWorker(choice.layout(), transport="nixl", read_timeout_s=READ_TIMEOUT_S)
+    worker = make_decode(choice, transport="nixl", read_timeout_s=READ_TIMEOUT_S)
     done = call(addr, m.PrefillRequest(request_id="child-ok", num_tokens=64, seed=3))
     assert isinstance(done, m.PrefillDone)
     res = worker.start("child-ok", addr, done.block_ids)

@@ -13,11 +13,10 @@ import msgspec
 import pytest
 import zmq
 
-from kvstage.cli import main
-from kvstage.pd import multihost
-from kvstage.pd.handshake import HandshakeTimeout, PeerError
-from kvstage.pd.prefill import PrefillWorker
+from kvstage.cli import main, net
+from kvstage.errors import HandshakeTimeout, LayoutMismatch, PeerError, ProtocolMismatch
 from kvstage.presets import preset
+from kvstage.testing.servers import make_prefill
 from kvstage.transport import ucx_env
 from kvstage.transport.base import TransportError
 
@@ -91,21 +90,24 @@ def test_probe_tells_refused_from_listening() -> None:
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
-        multihost.probe("127.0.0.1", srv.getsockname()[1])
-    with pytest.raises(multihost.PeerUnavailable, match="refused the connection"):
-        multihost.probe("127.0.0.1", _free_port())
+        net.probe("127.0.0.1", srv.getsockname()[1])
+    with pytest.raises(net.PeerUnavailable, match="refused the connection"):
+        net.probe("127.0.0.1", _free_port())
 
 
 @pytest.mark.timeout(10)
 def test_explain_names_the_failure() -> None:
     where = "h:1"
-    assert "did not answer" in multihost.explain(HandshakeTimeout("x"), where)
-    assert "incompatible version" in multihost.explain(
-        ValueError("peer speaks side-channel protocol version 9"), where)
-    assert "incompatible layout" in multihost.explain(
+    assert "did not answer" in net.explain(HandshakeTimeout("x"), where)
+    # decided on the class or the peer's code: the same text with another code reads
+    # differently, so no branch depends on wording
+    assert "incompatible version" in net.explain(ProtocolMismatch("anything"), where)
+    assert "incompatible version" in net.explain(PeerError("x", "protocol_mismatch"), where)
+    assert "incompatible layout" in net.explain(LayoutMismatch("anything"), where)
+    assert "incompatible layout" not in net.explain(
         ValueError("incompatible KV layout: num_blocks is 1 here, 2 remote"), where)
-    assert "--ucx-net-devices" in multihost.explain(TransportError("NIXL_ERR_BACKEND"), where)
-    assert "refused the handshake" in multihost.explain(PeerError("no"), where)
+    assert "--ucx-net-devices" in net.explain(TransportError("NIXL_ERR_BACKEND"), where)
+    assert "refused the handshake" in net.explain(PeerError("no"), where)
 
 
 LAYOUT = ["--preset", "gemma-3-1b", "--num-blocks", "512", "--transport", "loopback"]
@@ -113,7 +115,7 @@ LAYOUT = ["--preset", "gemma-3-1b", "--num-blocks", "512", "--transport", "loopb
 
 @contextlib.contextmanager
 def prefill_thread(num_blocks: int = 512) -> Iterator[str]:
-    worker = PrefillWorker(preset("gemma-3-1b", num_blocks=num_blocks), transport="loopback")
+    worker = make_prefill(preset("gemma-3-1b", num_blocks=num_blocks), transport="loopback")
     thread = threading.Thread(target=worker.serve_forever, daemon=True)
     thread.start()
     try:

@@ -18,10 +18,11 @@ from kvstage.cache import HostLayout
 from kvstage.layout import CacheLayout, KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, pair_runs
-from kvstage.pd.handshake import PeerError
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.side_channel import PeerError
 from kvstage.presets import preset, synthetic_layout
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import make_decode, make_prefill
 from pd_helpers import serving
 
 NUM_BLOCKS = 1024
@@ -37,10 +38,10 @@ def pair(
     decode_host_layout: HostLayout | None = None,
     lease_s: float = 30.0,
 ) -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
-    prefill = PrefillWorker(layout, host_layout=host_layout, lease_s=lease_s,
+    prefill = make_prefill(layout, host_layout=host_layout, lease_s=lease_s,
                             transport="loopback")
     with serving(prefill):
-        decode = DecodeWorker(decode_layout or layout, transport="loopback",
+        decode = make_decode(decode_layout or layout, transport="loopback",
                               host_layout=decode_host_layout or host_layout,
                               read_timeout_s=min(5.0, lease_s / 2), handshake_timeout_s=2.0)
         try:
@@ -151,6 +152,8 @@ def test_descriptor_count_is_runs(host_layout: HostLayout, ids: str) -> None:
                 decode.client(*addr).call(m.Release(request_id=f"c{i}"))
         done = remote_prefill(decode, addr, "req", 4096, seed=3)
         local = _scattered_local(done) if ids == "scattered" else None
+        for g in local or []:
+            decode.pool.claim(g)  # the caller allocates the ids it passes
         res = decode.start("req", addr, done.block_ids, local)
         if res.status == "pending":
             res = decode.wait("req", 10.0)
@@ -168,6 +171,8 @@ def test_descriptor_count_is_runs(host_layout: HostLayout, ids: str) -> None:
         assert verify_request(decode.cache, res.local_block_ids, 3) == []
         if local is None:
             decode.finish("req")
+        for g in local or []:
+            decode.pool.free(g)
         assert_clean(decode)
 
 

@@ -1,6 +1,6 @@
 """Prefill -> decode over real NIXL (UCX, loopback): two processes where it matters.
 
-Prefill runs as a `kvstage prefill` child (`PrefillProcess`, always stopped in a
+Prefill runs in a child process (`PrefillProcess`, always stopped in a
 ``finally``) for the end-to-end, kill and CLI tests; the K/V-split cache layout and
 the mirror host layout, which the CLI does not expose, use an in-process NIXL prefill
 served from a daemon thread (two agents in one process still READ through UCX).
@@ -24,11 +24,11 @@ from kvstage.cache import HostLayout
 from kvstage.layout import CacheLayout, KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.demo import PrefillProcess
-from kvstage.pd.handshake import SideChannelClient
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillProcess, make_decode, make_prefill
 from pd_helpers import serving
 
 pytestmark = pytest.mark.nixl
@@ -40,8 +40,9 @@ GEMMA = preset("gemma-3-1b", num_blocks=NUM_BLOCKS)
 @pytest.fixture(scope="module")
 def prefill_proc() -> Iterator[PrefillProcess]:
     """One shared `kvstage prefill` child for the tests that do not kill it."""
-    proc = PrefillProcess("gemma-3-1b", NUM_BLOCKS, "nixl", lease_s=30.0)
+    proc = PrefillProcess(GEMMA, transport="nixl", lease_s=30.0)
     try:
+        proc.wait_ready()
         yield proc
     finally:
         proc.stop()
@@ -50,7 +51,7 @@ def prefill_proc() -> Iterator[PrefillProcess]:
 @contextmanager
 def decoder(layout: KVLayout = GEMMA, **kw: object) -> Iterator[DecodeWorker]:
     opts: dict[str, object] = {"read_timeout_s": 5.0, "handshake_timeout_s": 2.0} | kw
-    worker = DecodeWorker(layout, transport="nixl", **opts)  # type: ignore[arg-type]
+    worker = make_decode(layout, transport="nixl", **opts)  # type: ignore[arg-type]
     try:
         yield worker
     finally:
@@ -59,7 +60,7 @@ def decoder(layout: KVLayout = GEMMA, **kw: object) -> Iterator[DecodeWorker]:
 
 @contextmanager
 def in_process_prefill(layout: KVLayout, host_layout: HostLayout) -> Iterator[PrefillWorker]:
-    with serving(PrefillWorker(layout, host_layout=host_layout, transport="nixl")) as worker:
+    with serving(make_prefill(layout, host_layout=host_layout, transport="nixl")) as worker:
         yield worker
 
 
@@ -85,9 +86,18 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 def read(decode: DecodeWorker, addr: tuple[str, int], done: m.PrefillDone,
          local: list[list[int]] | None = None) -> RequestResult:
-    res = decode.start(done.request_id, addr, done.block_ids, local)
-    if res.status == "pending":
-        res = decode.wait(done.request_id, 2 * decode.read_timeout_s)
+    """READ ``done`` into ``local`` (claimed from decode's pool for the READ, then given
+    back: the caller allocates the ids it passes) or into ids the pool allocates."""
+    assert decode.pool is not None
+    for g in local or []:
+        decode.pool.claim(g)
+    try:
+        res = decode.start(done.request_id, addr, done.block_ids, local)
+        if res.status == "pending":
+            res = decode.wait(done.request_id, 2 * decode.read_timeout_s)
+    finally:
+        for g in local or []:
+            decode.pool.free(g)
     return res
 
 
@@ -182,8 +192,7 @@ class _KillAfterAcquire:
     def call(self, msg: m.Message, **kw: float) -> m.Message:
         reply = self.inner.call(msg, **kw)
         if isinstance(msg, m.Acquire):
-            self.proc.proc.kill()
-            self.proc.proc.wait(10)
+            self.proc.kill()
         return reply
 
 
@@ -192,15 +201,15 @@ class _KillAfterAcquire:
 def test_prefill_killed_fails_the_request_and_decode_recovers(
     when: str, prefill_proc: PrefillProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    victim = PrefillProcess("gemma-3-1b", NUM_BLOCKS, "nixl", lease_s=30.0)
+    victim = PrefillProcess(GEMMA, transport="nixl", lease_s=30.0)
+    victim.wait_ready()
     try:
         with decoder(read_timeout_s=3.0, handshake_timeout_s=1.0) as decode:
             addr = victim.address
             decode.connect(*addr)
             done = prefill_remote(addr, "doomed", 4096, seed=1)
             if when == "before_acquire":
-                victim.proc.kill()
-                victim.proc.wait(10)
+                victim.kill()
             else:
                 real = decode.client
                 monkeypatch.setattr(decode, "client",
@@ -208,12 +217,12 @@ def test_prefill_killed_fails_the_request_and_decode_recovers(
             start = time.monotonic()
             res = read(decode, addr, done)
             elapsed = time.monotonic() - start
-            assert victim.proc.poll() is not None  # it really died before the READ
+            assert not victim.proc.is_alive()  # it really died before the READ
             assert res.status == "failed" and res.reason
             if when == "before_acquire":
-                assert "HandshakeTimeout" in res.reason
+                assert res.code == "handshake_timeout"
             else:
-                assert "TransportError" in res.reason or "READ failed" in res.reason
+                assert res.code in ("transport_failure", "read_failed"), res
             assert elapsed < decode.read_timeout_s + decode.handshake_timeout_s + 2
             assert_clean(decode)
             monkeypatch.undo()
@@ -253,7 +262,7 @@ def test_unknown_notification_is_reported(prefill_proc: PrefillProcess) -> None:
         remote = decode.connect(*addr)
         decode.transport.send_notif(remote.peer, b"bogus-request-id")
         wait_for(lambda: "bogus-request-id" in stats_of(addr).unknown_notifs)
-        assert prefill_proc.proc.poll() is None  # still alive, still serving
+        assert prefill_proc.proc.is_alive()  # still alive, still serving
         assert stats_of(addr).open_handles == 0
 
 
@@ -296,8 +305,9 @@ def test_decode_cli_exits_2_when_nothing_listens() -> None:
 def test_prefill_child_dies_with_a_killed_parent() -> None:
     # a parent that dies without stop() (SIGKILL, crash) must not leave its prefill child
     # behind: an orphaned NIXL agent would spin a core until someone noticed
-    code = ("from kvstage.pd.demo import PrefillProcess; import sys, time; "
-            "p = PrefillProcess('llama-3.1-8b', 16, 'loopback', lease_s=30.0); "
+    code = ("from kvstage.testing.servers import PrefillProcess; import sys, time; "
+            "from kvstage.presets import preset; "
+            "p = PrefillProcess(preset('llama-3.1-8b', num_blocks=16), transport='loopback'); "
             "print(p.proc.pid, flush=True); time.sleep(120)")
     parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

@@ -306,7 +306,7 @@ def test_missing_nixl_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> No
 #
 # Process A (spawned) serves a registered buffer; the reader B is this process, or a
 # spawned child where a test needs UCX settings of its own. Metadata travels over a
-# multiprocessing Pipe (the real side channel is kvstage.pd.handshake).
+# multiprocessing Pipe (the real side channel is kvstage.pd.side_channel).
 
 SERVE_S = 60.0  # a served child exits on its own after this, whatever the parent does
 

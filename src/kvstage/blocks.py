@@ -11,6 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from kvstage.errors import PoolExhausted
 from kvstage.layout import KVLayout, SlidingWindowSpec
 
 NULL_BLOCK = 0
@@ -40,13 +41,31 @@ class BlockPool:
         if not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate(n) needs an int n >= 0, got {n!r}")
         if n > len(self._free):
-            raise ValueError(
+            raise PoolExhausted(
                 f"cannot allocate {n} blocks: only {len(self._free)} of "
                 f"{self.num_blocks - 1} are free; free some or build a larger pool"
             )
         ids = [self._free.popleft() for _ in range(n)]
         self._used.update(ids)
         return ids
+
+    def claim(self, ids: Iterable[int]) -> list[int]:
+        """Allocate these specific ids (an engine that picks ids itself); all or none."""
+        want = [int(i) for i in ids if int(i) != NULL_BLOCK]
+        bad = [i for i in want if not 0 < i < self.num_blocks or i in self._used]
+        if bad or len(set(want)) != len(want):
+            raise PoolExhausted(
+                f"claim() got ids that are out of range, allocated or repeated: "
+                f"{sorted(set(bad))[:8]}; claim free ids 1..{self.num_blocks - 1} once"
+            )
+        taken = set(want)
+        self._free = deque(i for i in self._free if i not in taken)
+        self._used.update(want)
+        return want
+
+    def is_free(self, block_id: int) -> bool:
+        """True when ``block_id`` (1..num_blocks-1) is not allocated."""
+        return block_id not in self._used
 
     def free(self, ids: Iterable[int]) -> None:
         ids = [int(i) for i in ids if int(i) != NULL_BLOCK]

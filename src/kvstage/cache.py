@@ -235,7 +235,7 @@ def layout_from_layers(
             if n not in layers:
                 raise LayoutMismatch(f"group layer {n!r} is not in the layer dict")
             key_of[n] = int(layers[n].data_ptr())
-    storages: dict[int, int] = {}  # storage -> number of groups sharing it
+    storages: dict[int, int] = {}  # storage -> groups sharing it, in first-seen order
     for names, _spec in groups:
         seen = [key_of[n] for n in names]
         if len(set(seen)) != len(seen):
@@ -245,8 +245,8 @@ def layout_from_layers(
             )
         for k in seen:
             storages[k] = storages.get(k, 0) + 1
-    # order: most shared first, then by address (vLLM's shared_by order)
-    order = sorted(storages, key=lambda k: (-storages[k], k))
+    # most shared first (vLLM pads the smaller groups at the end), then first seen
+    order = sorted(storages, key=lambda k: -storages[k])
     index = {k: i for i, k in enumerate(order)}
     built = []
     for gid, (names, spec) in enumerate(groups):

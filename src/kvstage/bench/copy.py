@@ -60,7 +60,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_copy_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--num-layers", type=_positive_int, nargs="+", default=None, help="default 16")
     a("--blocks-per-request", type=_positive_int, default=6, help="default 6 (PR regime)")
@@ -305,7 +305,7 @@ def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> l
     return rows
 
 
-def run_copy(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     _resolve(args)
     # --quick pins one thread: with the cores oversubscribed, torch's OpenMP barriers can
     # stall an op for milliseconds (measured: 8 ms per index op with 2 threads, load 3)
@@ -360,8 +360,6 @@ def _plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                title=f"kvstage bench copy ({args.device}, {args.ids} ids)", logy=True)
 
 
-add_arguments = add_copy_arguments
-run = run_copy
 
 
 def _engine(cache: KVCache, host: HostBuffer, strategy: str, max_temp_bytes: int,

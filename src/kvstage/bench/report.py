@@ -282,14 +282,6 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def group_by(rows: Iterable[Row], *keys: str) -> dict[tuple[Any, ...], list[Row]]:
-    out: dict[tuple[Any, ...], list[Row]] = {}
-    for r in rows:
-        out.setdefault(tuple(r.get(k) for k in keys), []).append(r)
-    return out
-
-
-# -- measurement helpers (op counts and memory) shared by the benchmarks ----------------
 def profiler_counts(fn: Callable[[], Any], *, cuda: bool = False) -> Counter[str]:
     """Run ``fn`` once under torch.profiler and count what it issued.
 

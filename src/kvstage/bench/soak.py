@@ -19,7 +19,7 @@ fraction of requests get one injected fault:
 - ``abort`` (normal pair): aborted right after the READ was posted.
 
 ``--transport nixl``: each normal pair's prefill worker runs in its own spawned child
-process (`PrefillChild`) and decode READs it over real NIXL/UCX; the faulty pair is
+process (`PrefillProcess`) and decode READs it over real NIXL/UCX; the faulty pair is
 loopback in this process (NIXL has no fault switches). ``--transport loopback``: every
 prefill worker serves from a thread of this process.
 
@@ -36,186 +36,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import multiprocessing as mp
-import os
 import random
 import sys
-import threading
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvstage.bench.report import machine_info, write_json
-from kvstage.blocks import request_blocks
-from kvstage.cache import HostLayout
-from kvstage.layout import CacheLayout, KVLayout, MLASpec
+from kvstage.bench.soak_report import (
+    FAULT_KINDS,
+    FAULTY_KINDS,
+    build_report,
+    categorize,
+    print_report,
+)
+from kvstage.bench.workloads import LayoutChoice, max_tokens, random_choice, rss_bytes
+from kvstage.blocks import BlockPool, request_blocks
+from kvstage.cli.args import add_json_argument, fraction, number, positive
+from kvstage.errors import (
+    PeerError,
+    PoolExhausted,
+    code_of,
+)
+from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.handshake import PeerError
-from kvstage.pd.prefill import PrefillWorker
-from kvstage.presets import PRESETS, preset
+from kvstage.presets import PRESETS
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillProcess, PrefillThread, make_decode, make_prefill
+from kvstage.transport import TRANSPORTS
 
-FAULTY_KINDS = ("read_fail", "read_timeout", "abort_stalled", "notif_lost", "lease_expired")
-FAULT_KINDS = (*FAULTY_KINDS, "abort")
-# what each injected fault must end as (the outcome categories of `categorize`)
-EXPECTED = {
-    "none": "completed",
-    "read_fail": "read_failed",
-    "read_timeout": "read_timeout",
-    "abort_stalled": "aborted",
-    "notif_lost": "completed",
-    "lease_expired": "lease_expired",
-    "abort": "aborted",
-}
-MIN_BLOCKS = 48
 CHILD_START_S = 90.0
-
-
-# -- layouts ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class LayoutChoice:
-    """A preset with the knobs a soak randomises; picklable for a spawned child."""
-
-    preset: str
-    num_blocks: int
-    block_size: int = 16
-    cache_layout: str = CacheLayout.PACKED.value
-    host_layout: str = HostLayout.BLOCK_MAJOR.value
-
-    def layout(self) -> KVLayout:
-        return preset(self.preset, num_blocks=self.num_blocks, block_size=self.block_size,
-                      cache_layout=CacheLayout(self.cache_layout))
-
-    def describe(self) -> str:
-        return (f"{self.preset} (block_size {self.block_size}, {self.cache_layout}, "
-                f"host {self.host_layout}, {self.num_blocks} blocks)")
-
-
-def random_choice(name: str, rng: random.Random, pool_bytes: int) -> LayoutChoice:
-    """Block size, cache and host layout at random; ``num_blocks`` so the pool is about
-    ``pool_bytes`` (at least `MIN_BLOCKS`; block sizes whose pool would exceed twice the
-    target at that minimum are skipped: llama-3.1-8b at block_size 16 is 2 MiB a block)."""
-    is_mla = isinstance(preset(name, num_blocks=2).spec, MLASpec)
-    sizes = [bs for bs in (4, 8, 16)
-             if preset(name, num_blocks=2, block_size=bs).block_bytes * MIN_BLOCKS
-             <= 2 * pool_bytes] or [4]
-    bs = rng.choice(sizes)
-    cache = CacheLayout.PACKED if is_mla else rng.choice(list(CacheLayout))
-    host = rng.choice(list(HostLayout))
-    block_bytes = preset(name, num_blocks=2, block_size=bs).block_bytes
-    blocks = max(MIN_BLOCKS, pool_bytes // block_bytes)
-    return LayoutChoice(name, blocks, bs, cache.value, host.value)
-
-
-def max_tokens(layout: KVLayout, budget_blocks: int) -> int:
-    """Largest prompt whose blocks (all groups, sliding windows clipped) fit the budget."""
-    lo, hi = 1, 1 << 20
-    if sum(request_blocks(layout, 1)) > budget_blocks:
-        return 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if sum(request_blocks(layout, mid)) <= budget_blocks:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
-# -- prefill servers ----------------------------------------------------------------------
-def _prefill_child(conn: Connection, choice: LayoutChoice, lease_s: float, port: int,
-                   parent_pid: int) -> None:
-    """Spawned child: a NIXL PrefillWorker served until "stop" or the parent dies."""
-    try:
-        worker = PrefillWorker(choice.layout(), port=port, lease_s=lease_s, transport="nixl",
-                               host_layout=HostLayout(choice.host_layout))
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    try:
-        conn.send(("ready", worker.address))
-        while os.getppid() == parent_pid:
-            worker.serve_once(0.005)
-            if conn.poll() and conn.recv() == "stop":
-                break
-    finally:
-        worker.close()
-
-
-class PrefillChild:
-    """A NIXL `PrefillWorker` in a spawned child process on 127.0.0.1.
-
-    ``start`` returns at once; ``wait_ready`` blocks (bounded) for the bound address, so
-    several children start in parallel. The child exits on `stop`, or by itself when
-    this process dies (it watches its parent), so a crashed soak leaves no orphans.
-    """
-
-    def __init__(self, choice: LayoutChoice, *, lease_s: float, port: int = 0) -> None:
-        ctx = mp.get_context("spawn")
-        self.choice = choice
-        self._conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_child, daemon=True,
-                                args=(child, choice, lease_s, port, os.getpid()))
-        self.proc.start()
-        child.close()
-        self.address: tuple[str, int] | None = None
-
-    def wait_ready(self, timeout_s: float = CHILD_START_S) -> tuple[str, int]:
-        if self.address is not None:
-            return self.address
-        if not self._conn.poll(timeout_s):
-            self.kill()
-            raise TimeoutError(f"prefill child not ready within {timeout_s} s")
-        try:
-            kind, value = self._conn.recv()
-        except EOFError:
-            self.kill()
-            raise RuntimeError(
-                f"prefill child exited with {self.proc.exitcode} before it was ready"
-            ) from None
-        if kind != "ready":
-            self.kill()
-            raise RuntimeError(f"prefill child failed to start: {value}")
-        self.address = (str(value[0]), int(value[1]))
-        return self.address
-
-    @property
-    def pid(self) -> int:
-        assert self.proc.pid is not None
-        return self.proc.pid
-
-    def kill(self) -> None:
-        """SIGKILL: the process dies without closing anything (a crash)."""
-        if self.proc.is_alive():
-            self.proc.kill()
-        self.proc.join(10)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(OSError, BrokenPipeError):
-                self._conn.send("stop")
-            self.proc.join(timeout_s)
-        if self.proc.is_alive():
-            self.kill()
-        self._conn.close()
-
-
-class PrefillThread:
-    """An in-process `PrefillWorker` served from a daemon thread (loopback transport)."""
-
-    def __init__(self, worker: PrefillWorker) -> None:
-        self.worker = worker
-        self.address = worker.address
-        self._thread = threading.Thread(target=worker.serve_forever, kwargs={"poll_s": 0.005},
-                                        daemon=True, name=f"serve-{worker.engine_id}")
-        self._thread.start()
-
-    def stop(self) -> None:
-        self.worker.stop()
-        self._thread.join(10)
-        self.worker.close()
 
 
 # -- bookkeeping ----------------------------------------------------------------------------
@@ -236,12 +87,17 @@ class Pair:
     choice: LayoutChoice
     layout: KVLayout
     decode: DecodeWorker
-    server: PrefillThread | PrefillChild
+    server: PrefillThread | PrefillProcess
     address: tuple[str, int]
     lease_s: float
     faulty: bool = False
     in_flight: dict[str, tuple[Record, RequestResult]] = field(default_factory=dict)
     ready: list[tuple[Record, RequestResult]] = field(default_factory=list)
+
+    @property
+    def pool(self) -> BlockPool:
+        assert self.decode.pool is not None  # make_decode gives every pair a pool
+        return self.decode.pool
 
     @property
     def busy(self) -> int:
@@ -259,37 +115,6 @@ class Pair:
         t.drop_notifs = kind == "notif_lost"
 
 
-def categorize(status: str, reason: str, verified: bool) -> str:
-    if status == "done":
-        return "completed" if verified else "corrupt"
-    if status == "aborted":
-        return "aborted"
-    if "timed out" in reason:
-        return "read_timeout"
-    if "READ failed" in reason:
-        return "read_failed"
-    if "not held" in reason:
-        return "lease_expired"
-    if "HandshakeTimeout" in reason:
-        return "handshake_timeout"
-    if "TransportError" in reason:
-        return "transport_error"
-    return "other_failure"
-
-
-def rss_bytes(pid: int | str = "self") -> int:
-    """VmRSS from /proc/PID/status (0 where /proc is missing)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
-# -- the run ----------------------------------------------------------------------------------
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -311,15 +136,16 @@ class Soak:
         pool = a.pool_mib << 20
         choices = [random_choice(name, self.plan, pool) for name in a.presets]
         lease, timeout = a.lease_s, a.lease_s / 2
-        servers: list[PrefillThread | PrefillChild] = []
+        servers: list[PrefillThread | PrefillProcess] = []
         try:
             for choice in choices:
                 if a.transport == "nixl":
-                    servers.append(PrefillChild(choice, lease_s=lease))
+                    servers.append(PrefillProcess(choice.layout(), lease_s=lease,
+                                                  host_layout=choice.host_layout))
                 else:
                     servers.append(self._thread(choice, lease))
             for choice, server in zip(choices, servers, strict=True):
-                addr = server.wait_ready() if isinstance(server, PrefillChild) else server.address
+                addr = server.wait_ready() if isinstance(server, PrefillProcess) else server.address
                 self._add(choice.preset, choice, server, addr, lease, timeout, a.transport)
             # the faulty pair: short lease so lease-freed faults settle within the run
             faulty = random_choice(self.plan.choice(a.presets), self.plan, pool)
@@ -334,17 +160,16 @@ class Soak:
             raise
 
     def _thread(self, choice: LayoutChoice, lease_s: float) -> PrefillThread:
-        worker = PrefillWorker(choice.layout(), lease_s=lease_s, transport="loopback",
-                               host_layout=HostLayout(choice.host_layout))
-        return PrefillThread(worker)
+        return PrefillThread(make_prefill(choice.layout(), lease_s=lease_s,
+                                          transport="loopback", host_layout=choice.host_layout))
 
-    def _add(self, name: str, choice: LayoutChoice, server: PrefillThread | PrefillChild,
+    def _add(self, name: str, choice: LayoutChoice, server: PrefillThread | PrefillProcess,
              addr: tuple[str, int], lease_s: float, read_timeout_s: float, transport: str,
              *, faulty: bool = False) -> None:
         try:
-            decode = DecodeWorker(choice.layout(), transport=transport,
-                                  host_layout=HostLayout(choice.host_layout),
-                                  read_timeout_s=read_timeout_s, handshake_timeout_s=10.0)
+            decode = make_decode(choice.layout(), transport=transport,
+                                 host_layout=choice.host_layout,
+                                 read_timeout_s=read_timeout_s, handshake_timeout_s=10.0)
         except BaseException:
             server.stop()
             raise
@@ -387,7 +212,7 @@ class Soak:
         rec = Record(f"s{a.seed}-{i}", pair.name, fault, tokens, seed=i + 1)
         self.records.append(rec)
         need = sum(request_blocks(pair.layout, tokens))
-        while pair.busy >= a.max_in_flight or pair.decode.pool.num_free < need:
+        while pair.busy >= a.max_in_flight or pair.pool.num_free < need:
             self.service(finish_all=True)
         done = self._prefill(pair, rec)
         if done is None:
@@ -410,8 +235,8 @@ class Soak:
             try:
                 done = pair.decode.client(*pair.address).call(msg)
             except PeerError as exc:
-                if "are free" not in str(exc):
-                    self._end(rec, "failed", f"prefill refused: {exc}")
+                if exc.remote_code != PoolExhausted.code:
+                    self._end(rec, "failed", f"prefill refused: {exc}", code=exc.remote_code)
                     return None
                 self.backpressure += 1  # prefill still holds blocks of earlier requests
                 self.service(finish_all=True)
@@ -431,7 +256,8 @@ class Soak:
         try:
             res = pair.decode.start(rec.request_id, pair.address, done.block_ids)
         except Exception as exc:
-            self._end(rec, "failed", f"start raised {type(exc).__name__}: {exc}")
+            self._end(rec, "failed", f"start raised {type(exc).__name__}: {exc}",
+                      code=code_of(exc))
             return
         finally:
             if pair.faulty:
@@ -484,10 +310,11 @@ class Soak:
             self._end(rec, res.status, "; ".join(problems[:3]), verified=not problems)
             pair.ready.append((rec, res))
         else:
-            self._end(rec, res.status, res.reason)
+            self._end(rec, res.status, res.reason, code=res.code)
 
-    def _end(self, rec: Record, status: str, reason: str, *, verified: bool = False) -> None:
-        rec.outcome = categorize(status, reason, verified)
+    def _end(self, rec: Record, status: str, reason: str, *, verified: bool = False,
+             code: str = "") -> None:
+        rec.outcome = categorize(status, code, verified)
         rec.reason = reason
 
     def drain(self, deadline: float) -> None:
@@ -509,177 +336,34 @@ class Soak:
     def _sample(self, mark: str) -> None:
         self.rss[mark] = rss_bytes()
         for p in self.pairs:
-            if isinstance(p.server, PrefillChild):
+            if isinstance(p.server, PrefillProcess):
                 self.child_rss.setdefault(p.name, {})[mark] = rss_bytes(p.server.pid)
 
-    # verdict ------------------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        a = self.args
-        outcomes = Counter(r.outcome for r in self.records)
-        reasons = Counter(f"{r.outcome}: {_reason_key(r.reason)}" for r in self.records
-                          if r.outcome != "completed")
-        by_fault: dict[str, Counter[str]] = {}
-        for r in self.records:
-            by_fault.setdefault(r.fault, Counter())[r.outcome] += 1
-        mismatched = [r for r in self.records if r.outcome != EXPECTED[r.fault]]
-        pairs = []
-        broken: list[str] = []
-        for p in self.pairs:
-            s = p.stats()
-            d = p.decode
-            row = {
-                "pair": p.name, "layout": p.choice.describe(),
-                "transport": "loopback" if isinstance(p.server, PrefillThread) else "nixl",
-                "decode_free": d.pool.num_free, "decode_total": p.layout.num_blocks - 1,
-                "decode_open_handles": d.transport.num_open_handles,
-                "decode_draining": d.num_draining, "decode_pending": d.num_pending,
-                "prefill_free": s.free_blocks, "prefill_held_requests": s.held_requests,
-                "prefill_open_handles": s.open_handles, "prefilled": s.prefilled,
-                "completed": s.completed, "released": s.released, "expired": s.expired,
-                "unknown_notifs": len(s.unknown_notifs),
-            }
-            pairs.append(row)
-            if d.pool.num_free != p.layout.num_blocks - 1:
-                broken.append(f"{p.name}: decode pool has {d.pool.num_free} of "
-                              f"{p.layout.num_blocks - 1} blocks free (leak)")
-            if s.free_blocks != p.layout.num_blocks - 1 or s.held_requests:
-                broken.append(f"{p.name}: prefill holds {s.held_requests} requests, "
-                              f"{s.free_blocks} of {p.layout.num_blocks - 1} blocks free (leak)")
-            if s.prefilled != s.completed + s.released + s.expired:
-                broken.append(f"{p.name}: prefill freed {s.completed + s.released + s.expired}"
-                              f" requests of {s.prefilled} prefilled")
-            if d.transport.num_open_handles or d.num_draining or d.num_pending or s.open_handles:
-                broken.append(f"{p.name}: open transfer handles (decode "
-                              f"{d.transport.num_open_handles}, draining {d.num_draining}, "
-                              f"pending {d.num_pending}, prefill {s.open_handles})")
-        if len(self.records) != a.requests:
-            broken.append(f"only {len(self.records)} of {a.requests} requests ran "
-                          f"(--timeout-s {a.timeout_s} reached)")
-        if outcomes.get("corrupt"):
-            broken.append(f"{outcomes['corrupt']} completed requests had wrong bytes")
-        if mismatched:
-            shown = "; ".join(f"{r.request_id} ({r.fault}) -> {r.outcome}: {r.reason[:120]}"
-                              for r in mismatched[:5])
-            broken.append(f"{len(mismatched)} requests ended unlike their fault: {shown}")
-        growth = self.rss.get("100%", 0) - self.rss.get("10%", 0)
-        if growth > a.max_rss_growth_mib << 20:
-            broken.append(f"RSS grew {growth / 2**20:.1f} MiB between 10% and 100% "
-                          f"(limit {a.max_rss_growth_mib} MiB)")
-        return {
-            "requests": len(self.records),
-            "outcomes": dict(sorted(outcomes.items())),
-            "reasons": dict(sorted(reasons.items())),
-            "by_fault": {k: dict(v) for k, v in sorted(by_fault.items())},
-            "pairs": pairs,
-            "backpressure_retries": self.backpressure,
-            "rss_bytes": self.rss,
-            "rss_growth_bytes": growth,
-            "child_rss_bytes": self.child_rss,
-            "broken": broken,
-            "records": [asdict(r) for r in self.records] if a.json else [],
-        }
 
 
-def _reason_key(reason: str) -> str:
-    """A reason without request-specific numbers, for counting."""
-    head = reason.split(":")[0] if reason.startswith(("PeerError", "TransportError")) else reason
-    return "".join("N" if c.isdigit() else c for c in head)[:90]
-
-
-def print_report(rep: dict[str, Any], args: argparse.Namespace, wall_s: float) -> None:
-    print(f"kvstage bench soak: {rep['requests']} requests in {wall_s:.1f} s, seed {args.seed}, "
-          f"fault rate {args.fault_rate}, transport {args.transport}")
-    print("\npairs (prefill -> decode):")
-    for p in rep["pairs"]:
-        print(f"  {p['pair']:<18} {p['transport']:<9} {p['layout']}")
-    print("\noutcomes:")
-    for k, v in rep["outcomes"].items():
-        print(f"  {k:<18} {v:>6}")
-    if rep["reasons"]:
-        print("reasons (not completed):")
-        for k, v in rep["reasons"].items():
-            print(f"  {v:>6}  {k}")
-    print("by injected fault (expected outcome):")
-    for fault, counts in rep["by_fault"].items():
-        got = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        print(f"  {fault:<14} -> {EXPECTED[fault]:<14} got {got}")
-    print("\nleaks and handles after the run:")
-    for p in rep["pairs"]:
-        print(f"  {p['pair']:<18} decode free {p['decode_free']}/{p['decode_total']} "
-              f"handles {p['decode_open_handles']} draining {p['decode_draining']} | prefill "
-              f"free {p['prefill_free']}/{p['decode_total']} held {p['prefill_held_requests']} "
-              f"handles {p['prefill_open_handles']} | prefilled {p['prefilled']} = completed "
-              f"{p['completed']} + released {p['released']} + expired {p['expired']} "
-              f"(late notifs {p['unknown_notifs']})")
-    rss = rep["rss_bytes"]
-    print("\nRSS of this process: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in rss.items())
-          + f"; growth 10%->100% {rep['rss_growth_bytes'] / 2**20:+.1f} MiB")
-    for name, marks in rep["child_rss_bytes"].items():
-        vals = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in marks.items())
-        print(f"  prefill child {name}: {vals} MiB")
-    print(f"prefill back-pressure retries: {rep['backpressure_retries']}")
-    if rep["broken"]:
-        print("\nINVARIANTS BROKEN:")
-        for b in rep["broken"]:
-            print(f"  - {b}")
-    else:
-        print("\nall invariants hold: every request accounted for, no leaked blocks, "
-              "no open handles, RSS flat")
-
-
-# -- CLI ----------------------------------------------------------------------------------------
-def _int_at_least(low: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
-def add_soak_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--requests", type=_int_at_least(1), default=1000, help="requests to run (default 1000)")
+    a("--requests", type=positive(int, "--requests", high=10**7), default=1000,
+      help="requests to run (default 1000)")
     a("--seed", type=int, default=0, help="layouts, prompt lengths, faults, order")
-    a("--fault-rate", type=_fraction, default=0.05,
+    a("--fault-rate", type=fraction("--fault-rate"), default=0.05,
       help="fraction of requests with one injected fault (default 0.05)")
-    a("--transport", choices=("loopback", "nixl"), default="nixl",
+    a("--transport", choices=sorted(TRANSPORTS), default="nixl",
       help="nixl: prefill in one child process per preset, real NIXL READs (default)")
     a("--presets", nargs="+", choices=sorted(PRESETS), default=sorted(PRESETS))
-    a("--max-in-flight", type=_int_at_least(1), default=4,
+    a("--max-in-flight", type=positive(int, "--max-in-flight", high=1024), default=4,
       help="requests in flight or ready per pair (default 4)")
-    a("--pool-mib", type=_int_at_least(1), default=16, help="target pool size per side")
-    a("--lease-s", type=_positive_float, default=10.0,
+    a("--pool-mib", type=positive(int, "--pool-mib", high=4096), default=16,
+      help="target pool size per side")
+    a("--lease-s", type=positive(float, "--lease-s", high=3600.0), default=10.0,
       help="prefill lease of the normal pairs (decode READ timeout: half of it)")
-    a("--faulty-lease-s", type=_positive_float, default=1.0,
+    a("--faulty-lease-s", type=positive(float, "--faulty-lease-s", high=3600.0), default=1.0,
       help="prefill lease of the faulty pair (its READ timeout: a quarter of it)")
-    a("--max-rss-growth-mib", type=_int_at_least(0), default=64)
-    a("--timeout-s", type=_positive_float, default=1800.0, help="bound on the whole run")
-    a("--json", default=None, metavar="PATH", help="write the summary and every request")
+    a("--max-rss-growth-mib", type=number(int, "--max-rss-growth-mib", inclusive=True),
+      default=64)
+    a("--timeout-s", type=positive(float, "--timeout-s", high=86400.0), default=1800.0,
+      help="bound on the whole run")
+    add_json_argument(parser, "the summary and every request")
 
 
 def execute(args: argparse.Namespace) -> dict[str, Any]:
@@ -690,14 +374,14 @@ def execute(args: argparse.Namespace) -> dict[str, Any]:
     try:
         soak.build()
         soak.run()
-        rep = soak.report()
+        rep = build_report(soak)
     finally:
         soak.close()
     rep["wall_s"] = time.monotonic() - start
     return rep
 
 
-def run_soak(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.transport == "nixl":
         import importlib.util
 
@@ -713,5 +397,3 @@ def run_soak(args: argparse.Namespace) -> int:
     return 1 if rep["broken"] else 0
 
 
-add_arguments = add_soak_arguments
-run = run_soak

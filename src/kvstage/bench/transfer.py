@@ -29,7 +29,6 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,12 +36,13 @@ import numpy as np
 from kvstage.bench.report import Column, format_bytes, machine_info, print_table, ratio, write_json
 from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
 from kvstage.cache import HostBuffer, HostLayout, KVCache
+from kvstage.cli import args as cli_args
+from kvstage.cli import net
 from kvstage.engine import CopyEngine
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
-from kvstage.pd import multihost
 from kvstage.pd.decode import pair_runs
-from kvstage.pd.handshake import SideChannelClient, parse_address
+from kvstage.pd.side_channel import SideChannelClient, parse_address
 from kvstage.presets import PRESETS, preset
 from kvstage.testing.pattern import verify_request
 from kvstage.transport.base import TransferState, Transport, wait
@@ -69,7 +69,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--preset", choices=sorted(PRESETS), default="gemma-3-1b")
     a("--tokens", type=_positive_int, default=8192, help="prompt length (default 8192)")
@@ -86,7 +86,7 @@ def add_transfer_arguments(parser: argparse.ArgumentParser) -> None:
       help="serve the prefill side here until stopped (run --connect on the other host)")
     a("--connect", default=None, metavar="HOST:PORT",
       help="measure against a `bench transfer --listen` prefill there, not a local child")
-    multihost.add_ucx_arguments(parser)
+    cli_args.add_ucx_arguments(parser)
 
 
 def _churn_local(layout: KVLayout, seed: int) -> BlockPool:
@@ -107,7 +107,7 @@ class Bench:
     """The prefill child, our host buffer and NIXL agent, and the remote's address."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvstage.pd.demo import PrefillProcess  # spawns a child: only when run
+        from kvstage.testing.servers import PrefillProcess  # spawns a child: only when run
 
         self.args = args
         self.layout = preset(args.preset, num_blocks=args.num_blocks)
@@ -117,18 +117,17 @@ class Bench:
         self.proc: PrefillProcess | None = None
         if args.connect:
             self.address = parse_address(args.connect)
-            multihost.probe(*self.address)  # refused / unreachable: a clear error, no wait
+            net.probe(*self.address)  # refused / unreachable: a clear error, no wait
         else:
-            self.proc = PrefillProcess(args.preset, args.num_blocks, "nixl",
-                                       lease_s=BENCH_LEASE_S)
-            self.address = self.proc.address
-        self.ucx = multihost.setup_ucx(args, self.address[0])
+            self.proc = PrefillProcess(self.layout, transport="nixl", lease_s=BENCH_LEASE_S)
+            self.address = self.proc.wait_ready()
+        self.ucx = cli_args.setup_ucx(args, self.address[0])
         self.transport: Transport | None = None
         self.held: set[str] = set()  # request ids prefill holds for us: released at close
         self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: wire ids unique per run
         try:
             self.client = SideChannelClient(*self.address, timeout_s=30.0)
-            from kvstage.transport.factory import make_transport
+            from kvstage.transport import make_transport
 
             self.transport = make_transport("nixl", f"bench-{uuid.uuid4().hex[:8]}")
             self.transport.register(self.host.data_ptr, self.host.nbytes)
@@ -282,10 +281,6 @@ def measure(bench: Bench, mode: str, args: argparse.Namespace) -> list[dict[str,
     return rows
 
 
-def _fmt(fmt: str) -> Callable[[Any], str]:
-    return lambda v: fmt.format(v)
-
-
 COLUMNS = [
     Column("ids", "ids", align="<"),
     Column("method", "descriptors", align="<"),
@@ -302,24 +297,24 @@ COLUMNS = [
 
 def _serve(args: argparse.Namespace) -> int:
     """``--listen``: the prefill role with the bench's layout and a lease that outlives it."""
-    from kvstage.pd.roles import add_prefill_arguments, run_prefill
+    from kvstage.cli import prefill
 
     parser = argparse.ArgumentParser(prog="kvstage prefill")
-    add_prefill_arguments(parser)  # the prefill role's own defaults for everything else
+    prefill.add_arguments(parser)  # the prefill role's own defaults for everything else
     argv = ["--listen", args.listen, "--lease-s", str(BENCH_LEASE_S), "--preset", args.preset,
             "--num-blocks", str(args.num_blocks), "--host-layout", HostLayout.BLOCK_MAJOR.value,
             "--device", "cpu", "--transport", "nixl"]
     for flag, value in (("--ucx-tls", args.ucx_tls), ("--ucx-net-devices", args.ucx_net_devices)):
         if value:
             argv += [flag, value]
-    return run_prefill(parser.parse_args(argv))
+    return prefill.run(parser.parse_args(argv))
 
 
-def run_transfer(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.listen and args.connect:
         raise SystemExit("--listen serves the prefill side and --connect measures against "
                          "one: pass one of them (or neither, for a local child)")
-    args.transport = "nixl"  # multihost.setup_ucx reads it
+    args.transport = "nixl"  # cli_args.setup_ucx reads it
     if args.listen:
         parse_address(args.listen)
         return _serve(args)
@@ -333,9 +328,9 @@ def run_transfer(args: argparse.Namespace) -> int:
     modes = list(ID_MODES) if args.ids == "both" else [args.ids]
     try:
         bench = Bench(args)
-    except multihost.PeerUnavailable as exc:
+    except net.PeerUnavailable as exc:
         print(f"kvstage bench transfer: {exc}", file=sys.stderr)
-        return multihost.EXIT_UNUSABLE_PEER
+        return net.EXIT_UNUSABLE_PEER
     try:
         lay = bench.layout
         where = (f"from {args.connect}" if args.connect

@@ -1,12 +1,25 @@
-"""DecodeWorker: handshake, NIXL READ host -> host with merged descriptors, then h2d.
+"""DecodeWorker: the decode role. Handshake, READ host -> host over NIXL, then h2d.
 
-`start` handshakes once per remote, confirms the remote lease, pairs remote and local
-ids group by group, merges the pairs into runs (`find_runs`) and posts ONE READ whose
-descriptors are one per run (block-major host) or one per run per tensor per plane
-(mirror). `poll` never blocks: a DONE READ is loaded to the device and reported ready;
-a FAILED or timed-out one is reported failed with a reason, its h2d skipped and its
-local blocks freed. A handle NIXL will not release yet keeps its blocks out of the
-pool until it can be released, so bytes can never land in reused blocks.
+Primitives (what an engine calls):
+- ``start(request_id, remote_addr, remote_block_ids, local_block_ids)``: handshake once
+  per remote, confirm the remote lease, pair remote and local ids group by group, merge
+  the pairs into runs (`pair_runs`) and post ONE READ whose descriptors are one per run
+  (block-major host) or one per run per tensor per plane (mirror).
+- ``poll()``: never blocks; a DONE READ is loaded to the device (h2d) and reported
+  ``done``; a FAILED or timed-out one is reported ``failed`` with the transport's reason.
+- ``abort(request_id)``: stop waiting for a request and ask the prefill to release it.
+- ``finish(request_id)``: the caller is done with a request whose local ids the worker
+  allocated from its pool.
+
+Who owns what: the engine owns the device tensors (`KVCache.wrap`) and, when it passes
+``local_block_ids``, those ids: the worker refuses ids another in-flight request holds,
+and ids its own pool has not allocated. Without ``local_block_ids`` the worker's
+``pool`` allocates them. The worker owns the host buffer (one registered allocation)
+and the injected `Transport`, which `close` closes. A handle the transport will not
+release yet keeps its local ids in flight (``num_draining``) until it can be released.
+
+Thread rules: one thread calls every method (NIXL agents are not guaranteed
+thread-safe).
 """
 
 from __future__ import annotations
@@ -15,121 +28,77 @@ import contextlib
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine
-from kvstage.layout import KVLayout
+from kvstage.errors import (
+    InvalidRequest,
+    KVStageError,
+    LayoutMismatch,
+    PeerError,
+    PoolExhausted,
+    ProtocolMismatch,
+    TransportFailure,
+    code_of,
+)
 from kvstage.pd import messages as m
-from kvstage.pd.handshake import DEFAULT_TIMEOUT_S, SideChannelClient
-from kvstage.plan import find_runs
-from kvstage.transport.base import TransferState, TransportError
-from kvstage.transport.factory import make_transport
-
-DEFAULT_READ_TIMEOUT_S = 10.0
-
-
-@dataclass(frozen=True)
-class Remote:
-    """A handshaken prefill engine."""
-
-    host: str
-    port: int
-    engine_id: str
-    peer: str
-    layout: KVLayout
-    host_layout: HostLayout
-    base: int
-    lease_s: float
+from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
+    ABORTED,
+    DEFAULT_READ_TIMEOUT_S,
+    READ_FAILED,
+    READ_TIMEOUT,
+    Remote,
+    RequestResult,
+    _Pending,
+    pair_runs,
+)
+from kvstage.pd.side_channel import DEFAULT_TIMEOUT_S, SideChannelClient
+from kvstage.transport.base import TransferState, Transport
 
 
-@dataclass
-class RequestResult:
-    request_id: str
-    status: str  # "pending" | "done" | "failed" | "aborted"
-    reason: str = ""
-    local_block_ids: list[list[int]] = field(default_factory=list)
-    nbytes: int = 0
-    num_descriptors: int = 0
-    num_runs: int = 0
-    read_s: float = 0.0
-    h2d_s: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "done"
-
-
-@dataclass
-class _Pending:
-    result: RequestResult
-    remote: Remote
-    remote_request_id: str
-    handle: int
-    started: float
-    deadline: float
-
-
-def pair_runs(
-    remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]]
-) -> np.ndarray:
-    """Pair remote and local ids group by group and merge into runs ``[R, 3]``.
-
-    A local list shorter than the remote one is a prefix decode already holds: the
-    remote list is end-aligned to it (vLLM's prefix trim). Null pairs are skipped.
-    """
-    if len(remote_ids) != len(local_ids):
-        raise ValueError(
-            f"remote has {len(remote_ids)} id lists, local {len(local_ids)}: one per group"
-        )
-    src, dst = [], []
-    for g, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
-        if len(loc) > len(r):
-            raise ValueError(
-                f"group {g}: {len(loc)} local blocks for {len(r)} remote ones; decode can "
-                "receive at most what prefill holds"
-            )
-        r = list(r)[len(r) - len(loc) :]
-        for a, b in zip(r, loc, strict=True):
-            if (a == 0) != (b == 0):
-                raise ValueError(f"group {g}: null block paired with a real one ({a} -> {b})")
-            if a:
-                src.append(a)
-                dst.append(b)
-    return find_runs(np.array(src, np.int64), np.array(dst, np.int64))
+def _finite_positive(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+        0 < value < float("inf")
+    ):
+        raise InvalidRequest(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 class DecodeWorker:
     def __init__(
         self,
-        layout: KVLayout,
+        cache: KVCache,
+        transport: Transport,
         *,
-        device: str = "cpu",
         host_layout: HostLayout = HostLayout.BLOCK_MAJOR,
-        transport: str = "nixl",
         read_timeout_s: float = DEFAULT_READ_TIMEOUT_S,
         handshake_timeout_s: float = DEFAULT_TIMEOUT_S,
         engine_id: str | None = None,
+        pool: BlockPool | None = None,
     ) -> None:
-        if read_timeout_s <= 0 or handshake_timeout_s <= 0:
-            raise ValueError("read_timeout_s and handshake_timeout_s must be > 0")
-        self.layout = layout
-        self.read_timeout_s = read_timeout_s
-        self.handshake_timeout_s = handshake_timeout_s
-        self.engine_id = engine_id or f"decode-{uuid.uuid4().hex[:8]}"
-        self.cache = KVCache(layout, device)
-        self.host = HostBuffer.for_device(layout, device, host_layout)
-        self.engine = CopyEngine(self.cache, self.host)
-        self.pool = BlockPool(layout.num_blocks)
-        self.transport = make_transport(transport, self.engine_id)
-        self.transport.register(self.host.data_ptr, self.host.nbytes)
+        try:
+            self.read_timeout_s = _finite_positive("read_timeout_s", read_timeout_s)
+            self.handshake_timeout_s = _finite_positive("handshake_timeout_s",
+                                                        handshake_timeout_s)
+            self.layout = cache.layout
+            self.engine_id = engine_id or f"decode-{uuid.uuid4().hex[:8]}"
+            self.cache = cache
+            self.pool = pool
+            self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
+            self.engine = CopyEngine(cache, self.host)
+            self.transport = transport
+            self.transport.register(self.host.data_ptr, self.host.nbytes)
+        except Exception:
+            transport.close()
+            raise
         self._remotes: dict[tuple[str, int], Remote] = {}
         self._pending: dict[str, _Pending] = {}
         self._owned: dict[str, list[list[int]]] = {}  # request -> local ids we allocated
         self._draining: dict[int, list[list[int]]] = {}  # handle -> blocks held back
+        self._in_flight: dict[int, str] = {}  # local block id -> request (or handle) using it
         self._closed = False
 
     # -- handshake ----------------------------------------------------------------------
@@ -143,20 +112,34 @@ class DecodeWorker:
             return self._remotes[key]
         meta = self.client(host, port).call(m.GetMeta(engine_id=self.engine_id))
         if not isinstance(meta, m.Meta):
-            raise ValueError(f"{host}:{port} answered GetMeta with {type(meta).__name__}")
+            raise ProtocolMismatch(
+                f"{host}:{port} answered GetMeta with {type(meta).__name__}"
+            )
         remote_layout = m.layout_from_msg(meta.layout)
-        self.layout.check_compatible(remote_layout)
+        try:
+            self.layout.check_compatible(remote_layout)
+        except ValueError as exc:
+            raise LayoutMismatch(str(exc)) from None
         if meta.host_layout != self.host.host_layout.value:
-            raise ValueError(
+            raise LayoutMismatch(
                 f"incompatible host buffer: host_layout is {self.host.host_layout.value!r} "
                 f"here, {meta.host_layout!r} remote; start both sides with the same one"
             )
         if self.read_timeout_s >= meta.lease_s:
-            raise ValueError(
+            raise InvalidRequest(
                 f"read_timeout_s ({self.read_timeout_s}) must be below the prefill lease "
                 f"({meta.lease_s} s), else a READ could outlive the blocks it reads"
             )
-        peer = self.transport.add_peer(meta.agent_metadata)
+        try:
+            peer = self.transport.add_peer(meta.agent_metadata)
+        except KVStageError:
+            raise
+        except Exception as exc:  # e.g. a loopback decode given a NIXL prefill's metadata
+            raise ProtocolMismatch(
+                f"cannot use the agent metadata of {host}:{port} with this decode's "
+                f"{type(self.transport).__name__}: {type(exc).__name__}; run both sides "
+                "with the same --transport"
+            ) from None
         remote = Remote(
             host, port, meta.engine_id, peer, remote_layout, self.host.host_layout,
             meta.host_base, meta.lease_s,
@@ -165,6 +148,41 @@ class DecodeWorker:
         return remote
 
     # -- requests ---------------------------------------------------------------------------
+    def _claim_local(
+        self, remote_ids: Sequence[Sequence[int]],
+        local_block_ids: Sequence[Sequence[int]] | None,
+    ) -> tuple[list[list[int]], bool]:
+        """The request's local ids, checked: (ids, allocated here)."""
+        if local_block_ids is None:
+            if self.pool is None:
+                raise InvalidRequest(
+                    "local_block_ids is required: this decode worker has no BlockPool "
+                    "(the engine allocates the ids)"
+                )
+            counts = [len(g) for g in remote_ids]
+            if sum(counts) > self.pool.num_free:
+                raise PoolExhausted(
+                    f"request needs {sum(counts)} local blocks, {self.pool.num_free} are free"
+                )
+            return [self.pool.allocate(n) for n in counts], True
+        local = [list(g) for g in local_block_ids]
+        GroupedBlockIds(local, self.layout)  # shape, range and duplicate checks
+        pair_runs(remote_ids, local)  # pairing checks before ownership checks
+        busy = sorted({b for g in local for b in g if b and b in self._in_flight})
+        if busy:
+            raise InvalidRequest(
+                f"local blocks {busy[:8]} are in flight for request "
+                f"{self._in_flight[busy[0]]!r}; a block may receive one READ at a time"
+            )
+        if self.pool is not None:
+            free = sorted({b for g in local for b in g if b and self.pool.is_free(b)})
+            if free:
+                raise InvalidRequest(
+                    f"local blocks {free[:8]} were not allocated from this worker's pool "
+                    "(it would hand them out again); allocate them from decode.pool first"
+                )
+        return local, False
+
     def start(
         self,
         request_id: str,
@@ -175,29 +193,21 @@ class DecodeWorker:
         remote_request_id: str | None = None,
     ) -> RequestResult:
         """Post the READ for one request; returns its (pending or failed) result."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._pending or request_id in self._owned:
-            raise ValueError(
+            raise InvalidRequest(
                 f"request id {request_id!r} is already in flight here; finish or abort it "
                 "first, or use a new id"
             )
         remote_rid = remote_request_id or request_id
         GroupedBlockIds(remote_block_ids, self.layout)  # validates before anything happens
-        allocated = local_block_ids is None
-        if local_block_ids is None:
-            counts = [len(g) for g in remote_block_ids]
-            if sum(counts) > self.pool.num_free:
-                raise ValueError(
-                    f"request needs {sum(counts)} local blocks, {self.pool.num_free} are free"
-                )
-            local_block_ids = [self.pool.allocate(n) for n in counts]
-        local = [list(g) for g in local_block_ids]
+        local, allocated = self._claim_local(remote_block_ids, local_block_ids)
         try:
-            GroupedBlockIds(local, self.layout)
             runs = pair_runs(remote_block_ids, local)
         except (ValueError, TypeError):
             if allocated:
-                for ids in local:
-                    self.pool.free(ids)
+                self._free_blocks(local)
             raise
         if allocated:
             self._owned[request_id] = local
@@ -210,20 +220,27 @@ class DecodeWorker:
                 return self._finish(result, None)
             lease = self.client(*remote_addr).call(m.Acquire(request_id=remote_rid))
             if not isinstance(lease, m.Lease):
-                raise ValueError(f"unexpected answer to Acquire: {type(lease).__name__}")
+                raise ProtocolMismatch(
+                    f"unexpected answer to Acquire: {type(lease).__name__}"
+                )
             local_d = self.host.descriptors(runs[:, 1], runs[:, 2])
             remote_d = self._remote_descs(remote, runs)
             result.num_descriptors = int(local_d.shape[0])
             started = time.monotonic()
             handle = self.transport.read(remote.peer, local_d, remote_d, remote_rid.encode())
         except Exception as exc:  # every failure ends as a failed request, never a crash
-            if isinstance(exc, TransportError):
+            if isinstance(exc, TransportFailure):
                 self._forget((remote_addr[0], remote_addr[1]))
-            return self._fail(result, f"{type(exc).__name__}: {exc}")
+            code = exc.remote_code if isinstance(exc, PeerError) else code_of(exc)
+            return self._fail(result, f"{type(exc).__name__}: {exc}", code=code)
         budget = min(self.read_timeout_s, lease.remaining_s)
         self._pending[request_id] = _Pending(
             result, remote, remote_rid, handle, started, started + budget
         )
+        for g in local:
+            for b in g:
+                if b:
+                    self._in_flight[b] = request_id
         return result
 
     def _remote_descs(self, remote: Remote, runs: np.ndarray) -> np.ndarray:
@@ -241,21 +258,26 @@ class DecodeWorker:
             try:
                 state = self.transport.poll(p.handle)
             except Exception as exc:
-                state, why = TransferState.FAILED, f"poll failed: {exc}"
+                state, why, code = TransferState.FAILED, f"poll failed: {exc}", READ_FAILED
             else:
-                why = "NIXL reported the READ failed (peer gone or remote memory invalid)"
+                code = READ_FAILED
+                why = self.transport.failure_reason(p.handle) or (
+                    "the transport reported the READ failed (peer gone or remote memory "
+                    "invalid)"
+                )
             if state is TransferState.PENDING and now < p.deadline:
                 continue
             del self._pending[rid]
             p.result.read_s = now - p.started
             if state is TransferState.DONE:
-                self._release(p.handle, None)
+                self._release(p.handle, None, p.result.local_block_ids)
                 ended.append(self._finish(p.result, p))
             else:
                 if state is TransferState.PENDING:
                     why = f"READ timed out after {now - p.started:.2f} s"
+                    code = READ_TIMEOUT
                 self._forget((p.remote.host, p.remote.port), p.remote)
-                ended.append(self._fail(p.result, why, handle=p.handle))
+                ended.append(self._fail(p.result, why, handle=p.handle, code=code))
         return ended
 
     def _forget(self, key: tuple[str, int], remote: Remote | None = None) -> None:
@@ -273,7 +295,7 @@ class DecodeWorker:
                 if r.request_id == request_id:
                     return r
             if request_id not in self._pending:
-                raise ValueError(f"request {request_id!r} is not pending")
+                raise InvalidRequest(f"request {request_id!r} is not pending")
             if time.monotonic() >= deadline:
                 return self.abort(request_id, reason=f"wait() gave up after {timeout_s} s")
             time.sleep(0.0005)
@@ -281,8 +303,8 @@ class DecodeWorker:
     def abort(self, request_id: str, *, reason: str = "aborted by caller") -> RequestResult:
         p = self._pending.pop(request_id, None)
         if p is None:
-            raise ValueError(f"request {request_id!r} is not pending (unknown or ended)")
-        result = self._fail(p.result, reason, handle=p.handle)
+            raise InvalidRequest(f"request {request_id!r} is not pending (unknown or ended)")
+        result = self._fail(p.result, reason, handle=p.handle, code=ABORTED)
         result.status = "aborted"
         # best effort: let prefill free now instead of at lease expiry
         with contextlib.suppress(Exception):
@@ -295,9 +317,8 @@ class DecodeWorker:
         """The caller is done with a ready request: return its local blocks to the pool."""
         ids = self._owned.pop(request_id, None)
         if ids is None:
-            raise ValueError(f"request {request_id!r} holds no local blocks of this worker")
-        for g in ids:
-            self.pool.free(g)
+            raise InvalidRequest(f"request {request_id!r} holds no local blocks of this worker")
+        self._free_blocks(ids)
 
     def _finish(self, result: RequestResult, p: _Pending | None) -> RequestResult:
         start = time.perf_counter()
@@ -306,34 +327,55 @@ class DecodeWorker:
         result.status = "done"
         return result
 
-    def _fail(self, result: RequestResult, reason: str, handle: int | None = None) -> RequestResult:
-        result.status, result.reason = "failed", reason
-        blocks = self._owned.pop(result.request_id, None)
-        self._release(handle, blocks)
+    def _fail(self, result: RequestResult, reason: str, handle: int | None = None, *,
+              code: str = "error") -> RequestResult:
+        result.status, result.reason, result.code = "failed", reason, code
+        owned = self._owned.pop(result.request_id, None)
+        self._release(handle, owned, result.local_block_ids)
         return result
 
-    def _release(self, handle: int | None, blocks: list[list[int]] | None) -> None:
-        """Release a handle, then free the blocks; if NIXL refuses, hold both back."""
+    def _release(self, handle: int | None, owned: list[list[int]] | None,
+                 local: list[list[int]]) -> None:
+        """Release a handle, then let the local ids go (back to the pool when the worker
+        allocated them); if the transport refuses, keep both in flight."""
         if handle is not None:
             try:
                 self.transport.release(handle)
             except Exception:
-                self._draining[handle] = blocks or []
+                self._draining[handle] = owned or []
+                for g in local:
+                    for b in g:
+                        if b:
+                            self._in_flight[b] = f"draining handle {handle}"
                 return
-        for g in blocks or []:
+        self._unmark(local)
+        if owned:
+            self._free_blocks(owned)
+
+    def _unmark(self, local: list[list[int]]) -> None:
+        for g in local:
+            for b in g:
+                self._in_flight.pop(b, None)
+
+    def _free_blocks(self, ids: list[list[int]]) -> None:
+        assert self.pool is not None  # only ids the pool allocated are freed here
+        for g in ids:
             self.pool.free(g)
 
     def _retry_draining(self) -> None:
         for handle, blocks in list(self._draining.items()):
             try:
                 self.transport.release(handle)
-            except (TransportError, RuntimeError):
-                continue
-            except ValueError:
+            except InvalidRequest:
                 pass  # already gone
+            except Exception:
+                continue
             del self._draining[handle]
-            for g in blocks:
-                self.pool.free(g)
+            tag = f"draining handle {handle}"
+            for b in [b for b, who in self._in_flight.items() if who == tag]:
+                del self._in_flight[b]
+            if blocks:
+                self._free_blocks(blocks)
 
     @property
     def num_pending(self) -> int:
@@ -342,6 +384,10 @@ class DecodeWorker:
     @property
     def num_draining(self) -> int:
         return len(self._draining)
+
+    def in_flight(self, block_id: int) -> bool:
+        """True while a READ may still write local block ``block_id``."""
+        return block_id in self._in_flight
 
     def close(self) -> None:
         if self._closed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from kvstage.errors import LayoutMismatch, ProtocolMismatch
 from kvstage.layout import (
     AttentionSpec,
     CacheLayout,
@@ -18,7 +19,10 @@ from kvstage.layout import (
     SlidingWindowSpec,
 )
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Error carries a code
+#: the largest side-channel message accepted (a Meta with a 100-layer layout and NIXL's
+#: agent metadata is ~10 KiB)
+MAX_MESSAGE_BYTES = 1 << 20
 
 
 class SpecMsg(msgspec.Struct, frozen=True):
@@ -101,8 +105,9 @@ class Stats(Message, tag="stats"):
     completed: int
     released: int
     expired: int
-    unknown_notifs: list[str]
+    unknown_notifs: list[str]  # the last few (bounded), for people
     open_handles: int
+    num_unknown_notifs: int = 0
 
 
 class Release(Message, tag="release"):
@@ -117,7 +122,11 @@ class Ok(Message, tag="ok"):
 
 
 class Error(Message, tag="error"):
+    """A refusal: ``code`` is one of `kvstage.errors.KINDS` (callers branch on it),
+    ``message`` is for people."""
+
     message: str
+    code: str = "error"
 
 
 AnyMessage = (
@@ -136,23 +145,29 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> AnyMessage:
     """Decode one message; a garbled or foreign one raises ValueError saying what arrived."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolMismatch(
+            f"side-channel message of {len(data)} bytes; at most {MAX_MESSAGE_BYTES} accepted"
+        )
     try:
         head = _probe.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise ProtocolMismatch(
             f"side-channel message is not a kvstage message ({len(data)} bytes, "
             f"starts {data[:16]!r}): {exc}"
         ) from None
     version = head.get("version")
     if version != PROTOCOL_VERSION:
-        raise ValueError(
+        raise ProtocolMismatch(
             f"peer speaks side-channel protocol version {version!r}, this kvstage speaks "
             f"{PROTOCOL_VERSION}: run the same kvstage version on prefill and decode"
         )
     try:
         return _decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ValueError(f"malformed side-channel message {head.get('type')!r}: {exc}") from None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise ProtocolMismatch(
+            f"malformed side-channel message {str(head.get('type'))[:32]!r}: {exc}"
+        ) from None
 
 
 def layout_to_msg(layout: KVLayout) -> LayoutMsg:
@@ -188,7 +203,7 @@ def layout_from_msg(msg: LayoutMsg) -> KVLayout:
         elif s.kind == "full":
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
         else:
-            raise ValueError(f"unknown attention spec kind {s.kind!r} from peer")
+            raise LayoutMismatch(f"unknown attention spec kind {s.kind!r} from peer")
         groups.append(KVGroup(group_id=g.group_id, layer_names=tuple(g.layer_names), spec=spec))
     return KVLayout(
         num_blocks=msg.num_blocks,

@@ -1,12 +1,28 @@
-"""PrefillWorker: KV d2h into a registered host buffer, served to decode over NIXL.
+"""PrefillWorker: the prefill role. KV the engine wrote -> host buffer -> served to decode.
 
-Lifecycle of a request: `prefill` allocates its blocks, writes its KV (the verifiable
-pattern stands in for the forward pass), copies d2h with the fused engine and holds
-the blocks. Decode confirms the lease over the side channel (`Acquire`), READs, and the
-READ's notification frees the blocks; if no notification arrives, the lease (default
-30 s) frees them. Everything runs on one thread (NIXL agents are not guaranteed
-thread-safe): `serve_once` handles one side-channel message, then notifications and
-leases.
+Primitives (what an engine calls):
+- ``save(request_id, block_ids)``: d2h of blocks whose KV the engine has written. May be
+  called once per prefill step (chunked prefill): ids already saved for the request are
+  copied again (the last, partly filled block of a chunk is completed by the next), new
+  ones are added to the request.
+- ``hold(request_id)``: the request is complete; its blocks are held under a lease
+  (default 30 s) and decode may READ them. Returns the ids to hand to decode.
+- ``release(request_id)``: give the blocks back now (the engine aborted the request).
+- ``serve_once()`` / ``serve_forever()``: the side channel (GetMeta, Acquire, Release,
+  GetStats, and PrefillRequest when a producer is given), then NIXL notifications
+  (decode's "done" frees a request) and lease expiry.
+
+Who owns what: the engine owns the device tensors (`KVCache.wrap`), the block ids and
+the forward pass; it must not reuse a request's blocks until ``on_free(request_id,
+block_ids)`` is called (after decode's notification, a Release, or the lease). The
+worker owns the host buffer (one registered allocation) and the injected `Transport`
+(it registers the buffer now and closes the transport in `close`). Without an engine,
+``pool`` (a `BlockPool`) allocates and frees, and ``producer`` writes the KV for a
+side-channel `PrefillRequest` (the CLI, demo, benches and tests use the pattern in
+`kvstage.testing.pattern`).
+
+Thread rules: everything runs on the thread that calls ``serve_once`` (NIXL agents are
+not guaranteed thread-safe); ``stop`` may be called from any thread or a signal handler.
 """
 
 from __future__ import annotations
@@ -14,61 +30,74 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
+from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
-from kvstage.engine import CopyEngine
-from kvstage.layout import KVLayout
+from kvstage.engine import CopyEngine, CopyStats
+from kvstage.errors import InvalidRequest, KVStageError, NotHeld, code_of
 from kvstage.pd import messages as m
-from kvstage.pd.handshake import DEFAULT_HOST, SideChannelServer
-from kvstage.testing.pattern import fill_request
-from kvstage.transport.factory import make_transport
+from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
+from kvstage.transport.base import Transport
 
 DEFAULT_LEASE_S = 30.0
+MAX_UNKNOWN_NOTIFS = 64  # the record of unknown notifications is bounded
+
+#: Writes a prompt's KV into blocks it allocates: (request_id, num_tokens, seed) -> ids
+Producer = Callable[[str, int, int], list[list[int]]]
+#: Called when the worker lets go of a request's blocks: (request_id, block_ids)
+OnFree = Callable[[str, list[list[int]]], None]
 
 
 @dataclass
-class _Held:
+class _Request:
     block_ids: list[list[int]]
-    deadline: float
+    held: bool = False
+    deadline: float = 0.0
+    d2h_s: float = 0.0
+    nbytes: int = 0
 
 
 @dataclass
 class PrefillCounters:
-    prefilled: int = 0
+    prefilled: int = 0  # requests held
     completed: int = 0  # freed by a decode notification
     released: int = 0  # freed by an explicit Release
     expired: int = 0  # freed by the lease
-    unknown_notifs: list[str] = field(default_factory=list)
+    unknown_notifs: list[str] = field(default_factory=list)  # the last MAX_UNKNOWN_NOTIFS
+    num_unknown_notifs: int = 0
 
 
 class PrefillWorker:
     def __init__(
         self,
-        layout: KVLayout,
+        cache: KVCache,
+        transport: Transport,
         *,
-        host: str = DEFAULT_HOST,
-        port: int = 0,
-        device: str = "cpu",
         host_layout: HostLayout = HostLayout.BLOCK_MAJOR,
         lease_s: float = DEFAULT_LEASE_S,
-        transport: str = "nixl",
+        host: str = DEFAULT_HOST,
+        port: int = 0,
         engine_id: str | None = None,
+        pool: BlockPool | None = None,
+        producer: Producer | None = None,
+        on_free: OnFree | None = None,
     ) -> None:
-        if lease_s <= 0:
-            raise ValueError(f"lease_s must be > 0, got {lease_s}")
-        self.layout = layout
-        self.lease_s = lease_s
+        if not (isinstance(lease_s, int | float) and 0 < lease_s < float("inf")):
+            transport.close()
+            raise InvalidRequest(f"lease_s must be a finite number > 0, got {lease_s!r}")
+        self.layout = cache.layout
+        self.lease_s = float(lease_s)
         self.engine_id = engine_id or f"prefill-{uuid.uuid4().hex[:8]}"
-        self.cache = KVCache(layout, device)
-        self.host = HostBuffer.for_device(layout, device, host_layout)
-        self.engine = CopyEngine(self.cache, self.host)
-        self.pool = BlockPool(layout.num_blocks)
-        self.counters = PrefillCounters()
-        self._held: dict[str, _Held] = {}
-        self.transport = make_transport(transport, self.engine_id)
+        self.cache = cache
+        self.pool = pool
+        self.producer = producer
+        self.on_free = on_free
+        self.transport = transport
         try:
+            self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
+            self.engine = CopyEngine(cache, self.host)
             # registered once, at start-up: pinning and key exchange are far too slow
             # per request
             self.transport.register(self.host.data_ptr, self.host.nbytes)
@@ -76,6 +105,8 @@ class PrefillWorker:
         except Exception:
             self.transport.close()
             raise
+        self.counters = PrefillCounters()
+        self._requests: dict[str, _Request] = {}
         self._stop = threading.Event()
         self._closed = False
 
@@ -85,61 +116,116 @@ class PrefillWorker:
 
     @property
     def held_blocks(self) -> int:
-        return sum(len([b for g in h.block_ids for b in g if b]) for h in self._held.values())
+        return sum(
+            len([b for g in r.block_ids for b in g if b])
+            for r in self._requests.values() if r.held
+        )
 
-    # -- request lifecycle ------------------------------------------------------------
+    @property
+    def num_held(self) -> int:
+        return sum(1 for r in self._requests.values() if r.held)
+
+    # -- the engine's primitives ----------------------------------------------------------
+    def save(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> CopyStats:
+        """d2h ``block_ids`` (one list per group) of a request the engine is prefilling."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
+        req = self._requests.get(request_id)
+        if req is not None and req.held:
+            raise InvalidRequest(
+                f"request {request_id!r} is already held for decode; save every block "
+                "before hold(), or use a new id"
+            )
+        ids = GroupedBlockIds(block_ids, self.layout)  # validates before a byte moves
+        start = time.perf_counter()
+        stats = self.engine.save_to_host(ids)
+        if req is None:
+            req = self._requests[request_id] = _Request([[] for _ in block_ids])
+        for have, new in zip(req.block_ids, ids.groups, strict=True):
+            seen = set(have)
+            have.extend(b for b in new if b not in seen)
+        req.d2h_s += time.perf_counter() - start
+        req.nbytes += stats.nbytes
+        return stats
+
+    def hold(self, request_id: str, lease_s: float | None = None) -> m.PrefillDone:
+        """Every block is saved: hold them under a lease for decode to READ."""
+        req = self._requests.get(request_id)
+        if req is None:
+            raise NotHeld(f"request {request_id!r} has no saved blocks here; save() first")
+        if req.held:
+            raise InvalidRequest(f"request {request_id!r} is already held")
+        req.held = True
+        req.deadline = time.monotonic() + (lease_s or self.lease_s)
+        self.counters.prefilled += 1
+        return m.PrefillDone(
+            request_id=request_id, block_ids=[list(g) for g in req.block_ids],
+            d2h_s=req.d2h_s, nbytes=req.nbytes, lease_s=self.lease_s,
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free a request's blocks now (held or only saved)."""
+        if not self._free(request_id):
+            raise NotHeld(f"request {request_id!r} is not held here")
+        self.counters.released += 1
+
     def prefill(self, request_id: str, num_tokens: int, seed: int) -> m.PrefillDone:
-        """Allocate, write and d2h one prompt's KV; hold its blocks under a lease."""
-        if not request_id:
-            raise ValueError("request_id must be a non-empty string")
-        if request_id in self._held:
-            raise ValueError(
+        """The producer writes a prompt's KV into blocks it allocates; save and hold them."""
+        if self.producer is None:
+            raise InvalidRequest(
+                "this prefill worker runs inside an engine: it saves what the engine "
+                "writes and takes no PrefillRequest"
+            )
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise InvalidRequest(
                 f"request id {request_id!r} is still held (in flight); use a new id or "
                 "wait until decode has read it"
             )
-        if not isinstance(num_tokens, int) or num_tokens <= 0:
-            raise ValueError(f"num_tokens must be a positive int, got {num_tokens!r}")
-        counts = request_blocks(self.layout, num_tokens)
-        if sum(counts) > self.pool.num_free:
-            raise ValueError(
-                f"a {num_tokens}-token prompt needs {sum(counts)} blocks, only "
-                f"{self.pool.num_free} are free; start the worker with more blocks"
-            )
-        block_ids = [self.pool.allocate(n) for n in counts]
-        fill_request(self.cache, block_ids, seed)
-        start = time.perf_counter()
-        stats = self.engine.save_to_host(GroupedBlockIds(block_ids, self.layout))
-        d2h_s = time.perf_counter() - start
-        self._held[request_id] = _Held(block_ids, time.monotonic() + self.lease_s)
-        self.counters.prefilled += 1
-        return m.PrefillDone(
-            request_id=request_id,
-            block_ids=block_ids,
-            d2h_s=d2h_s,
-            nbytes=stats.nbytes,
-            lease_s=self.lease_s,
-        )
+        block_ids = self.producer(request_id, num_tokens, seed)
+        try:
+            self.save(request_id, block_ids)
+        except Exception:
+            self._requests.pop(request_id, None)
+            self._give_back(request_id, block_ids)
+            raise
+        return self.hold(request_id)
+
+    # -- freeing ------------------------------------------------------------------------------
+    def _give_back(self, request_id: str, block_ids: list[list[int]]) -> None:
+        if self.on_free is not None:
+            self.on_free(request_id, block_ids)
+        elif self.pool is not None:
+            for ids in block_ids:
+                self.pool.free(ids)
 
     def _free(self, request_id: str) -> bool:
-        held = self._held.pop(request_id, None)
-        if held is None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
             return False
-        for ids in held.block_ids:
-            self.pool.free(ids)
+        self._give_back(request_id, req.block_ids)
         return True
 
     def process_notifications(self) -> None:
         for _peer, msg in self.transport.get_notifs():
-            rid = msg.decode(errors="replace")
-            if self._free(rid):
+            rid = msg[:256].decode(errors="replace")
+            req = self._requests.get(rid)
+            if req is not None and req.held:
+                self._free(rid)
                 self.counters.completed += 1
             else:
-                # late (after lease expiry), duplicated or foreign: report, never crash
-                self.counters.unknown_notifs.append(rid)
+                # late (after lease expiry), duplicated or foreign: count, never crash
+                c = self.counters
+                c.num_unknown_notifs += 1
+                c.unknown_notifs.append(rid[:64])
+                del c.unknown_notifs[:-MAX_UNKNOWN_NOTIFS]
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        expired = [rid for rid, h in self._held.items() if h.deadline <= now]
+        expired = [
+            rid for rid, r in self._requests.items() if r.held and r.deadline <= now
+        ]
         for rid in expired:
             self._free(rid)
             self.counters.expired += 1
@@ -161,49 +247,50 @@ class PrefillWorker:
         if isinstance(msg, m.PrefillRequest):
             return self.prefill(msg.request_id, msg.num_tokens, msg.seed)
         if isinstance(msg, m.Acquire):
-            held = self._held.get(msg.request_id)
-            if held is None:
-                return m.Error(
-                    message=f"request {msg.request_id!r} is not held here (never prefilled, "
+            req = self._requests.get(msg.request_id)
+            if req is None or not req.held:
+                raise NotHeld(
+                    f"request {msg.request_id[:64]!r} is not held here (never prefilled, "
                     "already read, released, or its lease expired)"
                 )
             # like vLLM's heartbeats: a decode about to READ extends the lease
-            held.deadline = time.monotonic() + self.lease_s
+            req.deadline = time.monotonic() + self.lease_s
             return m.Lease(request_id=msg.request_id, remaining_s=self.lease_s)
         if isinstance(msg, m.Release):
-            if self._free(msg.request_id):
-                self.counters.released += 1
-                return m.Ok()
-            return m.Error(message=f"request {msg.request_id!r} is not held here")
+            self.release(msg.request_id)
+            return m.Ok()
         if isinstance(msg, m.GetStats):
             return self.stats()
-        return m.Error(message=f"prefill worker does not handle {type(msg).__name__}")
+        raise InvalidRequest(f"prefill worker does not handle {type(msg).__name__}")
 
     def stats(self) -> m.Stats:
         c = self.counters
         return m.Stats(
-            held_requests=len(self._held),
+            held_requests=self.num_held,
             held_blocks=self.held_blocks,
-            free_blocks=self.pool.num_free,
+            free_blocks=self.pool.num_free if self.pool is not None else -1,
             prefilled=c.prefilled,
             completed=c.completed,
             released=c.released,
             expired=c.expired,
             unknown_notifs=list(c.unknown_notifs),
             open_handles=self.transport.num_open_handles,
+            num_unknown_notifs=c.num_unknown_notifs,
         )
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
         got = self.server.poll(timeout_s)
         if got is not None:
             envelope, msg = got
-            if isinstance(msg, ValueError):
-                reply: m.Message = m.Error(message=str(msg))
+            reply: m.Message
+            if isinstance(msg, Exception):
+                reply = m.Error(message=str(msg)[:512], code=code_of(msg))
             else:
                 try:
                     reply = self._handle(msg)
-                except ValueError as exc:
-                    reply = m.Error(message=str(exc))
+                except (KVStageError, ValueError, TypeError) as exc:
+                    # bounded: an error never echoes more than a few hundred bytes of input
+                    reply = m.Error(message=str(exc)[:512], code=code_of(exc))
             self.server.reply(envelope, reply)
         self.process_notifications()
         self.expire_leases()
@@ -216,12 +303,16 @@ class PrefillWorker:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def close(self) -> None:
-        """Free every held request, deregister memory, close the side channel."""
+        """Free every request, deregister memory, close the side channel and transport."""
         if self._closed:
             return
         self._closed = True
-        for rid in list(self._held):
+        for rid in list(self._requests):
             self._free(rid)
         self.server.close()
         self.transport.close()

@@ -13,7 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvstage.blocks import BlockPool, request_blocks
 from kvstage.cache import KVCache
+from kvstage.errors import InvalidRequest, PoolExhausted
 from kvstage.layout import KVLayout
 
 _GOLDEN = np.uint32(0x9E3779B1)
@@ -78,3 +80,29 @@ def verify_request(
         for pos in torch.nonzero(bad).flatten().tolist():
             problems.append(f"group {g} position {pos} (block {ids[pos]}) differs")
     return problems
+
+
+class PatternProducer:
+    """The stand-in forward pass of the CLI, demo, benches and tests: allocate a prompt's
+    blocks from ``pool`` and write the pattern into them (a `prefill.Producer`)."""
+
+    def __init__(self, cache: KVCache, pool: BlockPool, *, max_tokens: int = 1 << 22) -> None:
+        self.cache, self.pool, self.max_tokens = cache, pool, max_tokens
+
+    def __call__(self, request_id: str, num_tokens: int, seed: int) -> list[list[int]]:
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
+            raise InvalidRequest(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if num_tokens > self.max_tokens:
+            raise InvalidRequest(
+                f"a {num_tokens}-token prompt is over this worker's limit of "
+                f"{self.max_tokens} tokens"
+            )
+        counts = request_blocks(self.cache.layout, num_tokens)
+        if sum(counts) > self.pool.num_free:
+            raise PoolExhausted(
+                f"a {num_tokens}-token prompt needs {sum(counts)} blocks, only "
+                f"{self.pool.num_free} are free; start the worker with more blocks"
+            )
+        block_ids = [self.pool.allocate(n) for n in counts]
+        fill_request(self.cache, block_ids, seed)
+        return block_ids

@@ -9,6 +9,7 @@ importing this package never touches NIXL.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvstage.transport.base import (
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from kvstage.transport.nixl import NixlTransport, default_ucx_env
 
 __all__ = [
+    "TRANSPORTS",
     "LoopbackTransport",
     "MemoryRegion",
     "NixlTransport",
@@ -32,6 +34,7 @@ __all__ = [
     "Transport",
     "TransportError",
     "default_ucx_env",
+    "make_transport",
     "validate_descs",
     "wait",
 ]
@@ -45,3 +48,23 @@ def __getattr__(name: str) -> Any:
 
         return getattr(nixl, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _nixl(name: str, **options: Any) -> Transport:
+    from kvstage.transport.nixl import NixlTransport
+
+    return NixlTransport(name, **options)
+
+
+#: name -> constructor; the CLI's --transport choices come from here
+TRANSPORTS: dict[str, Callable[..., Transport]] = {
+    "nixl": _nixl,  # a real NIXL/UCX agent (imports NIXL only when built)
+    "loopback": LoopbackTransport,  # in-process memcpy with fault options (tests)
+}
+
+
+def make_transport(kind: str, name: str, **options: Any) -> Transport:
+    """Build the transport registered as ``kind`` with agent name ``name``."""
+    if kind not in TRANSPORTS:
+        raise ValueError(f"unknown transport {kind!r}; choose one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[kind](name, **options)

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
 import numpy as np
 
+from kvstage.errors import TransportFailure
+
 if TYPE_CHECKING:
     import torch
 
@@ -50,8 +52,8 @@ class TransferState(enum.Enum):
     FAILED = "failed"
 
 
-class TransportError(RuntimeError):
-    """The transport (or the peer behind it) refused or lost a request."""
+#: The transport (or the peer behind it) refused or lost a request (`errors.TransportFailure`).
+TransportError = TransportFailure
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,13 @@ class Transport(Protocol):
         """Current state of ``handle``; never blocks."""
         ...
 
+    def failure_reason(self, handle: int) -> str | None:
+        """Why ``handle`` failed, in the transport's words (None while not failed)."""
+        ...
+
     def release(self, handle: int) -> None:
-        """Free ``handle``; ValueError if it is unknown (e.g. released twice)."""
+        """Free ``handle``; `InvalidRequest` (a ValueError) if it is unknown (e.g. released
+        twice), `TransportFailure` if the transport cannot release it yet."""
         ...
 
     def send_notif(self, peer: str, msg: bytes) -> None: ...

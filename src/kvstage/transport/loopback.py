@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvstage.errors import InvalidRequest
 from kvstage.transport.base import (
     ClosingContext,
     MemoryRegion,
@@ -149,7 +150,9 @@ class LoopbackTransport(ClosingContext):
         try:
             return self._states[handle]
         except KeyError:
-            raise ValueError(f"unknown handle {handle} (released, or not from read())") from None
+            raise InvalidRequest(
+                f"unknown handle {handle} (released, or not from read())"
+            ) from None
 
     def failure_reason(self, handle: int) -> str | None:
         """Why ``handle`` FAILED, or None if it has not failed."""
@@ -159,7 +162,7 @@ class LoopbackTransport(ClosingContext):
     def release(self, handle: int) -> None:
         self._check_open()
         if self._states.pop(handle, None) is None:
-            raise ValueError(f"unknown handle {handle} (already released, or not from read())")
+            raise InvalidRequest(f"unknown handle {handle} (already released, or not from read())")
         self._reasons.pop(handle, None)
 
     def send_notif(self, peer: str, msg: bytes) -> None:

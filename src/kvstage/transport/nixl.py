@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvstage.errors import InvalidRequest
 from kvstage.transport.base import (
     ClosingContext,
     MemoryRegion,
@@ -310,7 +311,7 @@ class NixlTransport(ClosingContext):
         st = self._open()
         xfer = st.xfers.get(handle)
         if xfer is None:
-            raise ValueError(f"unknown handle {handle} (already released, or not from read())")
+            raise InvalidRequest(f"unknown handle {handle} (already released, or not from read())")
         return st, xfer
 
     def poll(self, handle: int) -> TransferState:

@@ -1,42 +1,49 @@
 """The side channel: a zmq ROUTER on the prefill side, a REQ per call on the decode side.
 
-Binds 127.0.0.1 by default; every wait is bounded. A request that gets no reply within
-its timeout raises `HandshakeTimeout` (the REQ socket is discarded, so a late reply can
-never be read as the answer to a later question).
+Binds 127.0.0.1 by default; every wait is bounded, and so is every message
+(`messages.MAX_MESSAGE_BYTES`: zmq drops the connection of a peer that sends more). A
+request that gets no reply within its timeout raises `HandshakeTimeout` (the REQ socket
+is discarded, so a late reply can never be read as the answer to a later question). An
+``Error`` reply raises `PeerError` carrying the peer's error code.
 """
 
 from __future__ import annotations
 
 import zmq
 
-from kvstage.pd.messages import Error, Message, decode, encode
+from kvstage.errors import HandshakeTimeout, InvalidRequest, PeerError
+from kvstage.pd.messages import MAX_MESSAGE_BYTES, Error, Message, decode, encode
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 5.0
 
 
-class HandshakeTimeout(TimeoutError):
-    pass
-
-
-class PeerError(RuntimeError):
-    """The peer answered with an Error message."""
+__all__ = ["HandshakeTimeout", "PeerError", "SideChannelClient", "SideChannelServer"]
 
 
 def parse_address(address: str, *, default_host: str = DEFAULT_HOST) -> tuple[str, int]:
     """``HOST:PORT`` (or ``:PORT``) -> (host, port), with a clear error otherwise."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:5600), got {address!r}")
-    return (host.strip("[]") or default_host), int(port)
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
+        raise InvalidRequest(
+            f"expected HOST:PORT with a port 0-65535 (e.g. 127.0.0.1:5600), got {address!r}"
+        )
+    if ":" in host or host.startswith("["):
+        raise InvalidRequest(
+            f"IPv6 addresses are not supported yet (got {address!r}); use an IPv4 address "
+            "or a host name that resolves to one"
+        )
+    if not host.isascii() or any(c.isspace() for c in host):
+        raise InvalidRequest(f"host {host!r} in {address!r} is not a valid host name or IPv4")
+    return (host or default_host), int(port)
 
 
 class SideChannelClient:
     """Ask a prefill worker's side channel one question at a time."""
 
     def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if not 0 < timeout_s < float("inf"):
+            raise InvalidRequest(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.endpoint = f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
@@ -45,6 +52,7 @@ class SideChannelClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.connect(self.endpoint)
             sock.send(encode(msg))
@@ -58,7 +66,9 @@ class SideChannelClient:
         finally:
             sock.close(linger=0)
         if isinstance(reply, Error):
-            raise PeerError(f"{self.endpoint} refused {type(msg).__name__}: {reply.message}")
+            raise PeerError(
+                f"{self.endpoint} refused {type(msg).__name__}: {reply.message}", reply.code
+            )
         return reply
 
 
@@ -69,6 +79,7 @@ class SideChannelServer:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             if port == 0:
                 self.port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -80,7 +91,7 @@ class SideChannelServer:
             raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
         self.host = host
 
-    def poll(self, timeout_s: float) -> tuple[list[bytes], Message | ValueError] | None:
+    def poll(self, timeout_s: float) -> tuple[list[bytes], Message | Exception] | None:
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         frames = self._sock.recv_multipart()

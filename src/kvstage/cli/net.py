@@ -1,13 +1,12 @@
 """What the role commands need across machines: UCX settings from the address, a reachability
 probe with a verdict a person can act on, and signals turned into a clean exit.
 
-Used by ``kvstage prefill``, ``kvstage decode`` (``kvstage.pd.roles``) and
+Used by ``kvstage prefill``, ``kvstage decode`` (``kvstage.cli.roles``) and
 ``kvstage bench transfer``; imports no NIXL.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import errno
 import signal
@@ -15,34 +14,17 @@ import socket
 from collections.abc import Iterator
 from types import FrameType
 
-from kvstage.pd.handshake import HandshakeTimeout, PeerError
-from kvstage.transport import ucx_env
-from kvstage.transport.base import TransportError
+from kvstage.errors import (
+    HandshakeTimeout,
+    LayoutMismatch,
+    PeerError,
+    PeerUnavailable,
+    ProtocolMismatch,
+    TransportFailure,
+)
 
 EXIT_UNUSABLE_PEER = 2
 PROBE_TIMEOUT_S = 3.0
-
-
-def add_ucx_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ucx-tls", default=None,
-                   help="UCX_TLS for this process (default: from the address; the "
-                        "environment's UCX_TLS wins)")
-    p.add_argument("--ucx-net-devices", default=None,
-                   help="UCX_NET_DEVICES for this process, e.g. eth0 or all (default: the "
-                        "interface that carries the address; the environment's wins)")
-
-
-def setup_ucx(args: argparse.Namespace, host: str) -> str:
-    """Apply the UCX choice for ``host`` (nixl transport only); returns what was chosen."""
-    if args.transport != "nixl":
-        return "ucx: not used (--transport loopback)"
-    choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices)
-    ucx_env.apply(choice)
-    return "ucx: " + choice.describe()
-
-
-class PeerUnavailable(Exception):
-    """The prefill side cannot be used; ``str`` says why and what to do."""
 
 
 def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> None:
@@ -74,18 +56,20 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> None:
 
 
 def explain(exc: BaseException, where: str) -> str:
-    """One line for a failed handshake with the prefill at ``where``: which failure, what to do."""
+    """One line for a failed handshake with the prefill at ``where``: which failure, what to
+    do. Decided on the error's class and code, never on its text."""
     text = str(exc)
+    code = exc.remote_code if isinstance(exc, PeerError) else getattr(exc, "code", "")
     if isinstance(exc, HandshakeTimeout):
-        return (f"prefill at {where} accepted the connection but did not answer: {text}")
-    if "protocol version" in text or "not a kvstage message" in text:
+        return f"prefill at {where} accepted the connection but did not answer: {text}"
+    if code == ProtocolMismatch.code:
         return (f"prefill at {where} speaks an incompatible version: {text}. Install the same "
                 "kvstage version on both hosts")
-    if isinstance(exc, ValueError) and "incompatible" in text:
+    if code == LayoutMismatch.code:
         return (f"prefill at {where} has an incompatible layout: {text}. Start decode with the "
                 "prefill's --preset, --num-blocks and --host-layout (its 'listening' line "
                 "shows them)")
-    if isinstance(exc, TransportError):
+    if isinstance(exc, TransportFailure):
         return (f"NIXL/UCX cannot reach the prefill at {where}: {text}. The side channel "
                 "answered, so check the UCX device and transports on both sides "
                 "(--ucx-net-devices, --ucx-tls; across hosts: tcp on the interface that "

@@ -1,111 +1,35 @@
-"""`kvstage prefill --listen HOST:PORT` and `kvstage decode --connect HOST:PORT`.
+"""`kvstage decode --connect HOST:PORT`: run prompts against a prefill and verify bytes.
 
-The prefill role serves a worker until SIGINT/SIGTERM (then frees held requests,
-deregisters memory and closes). The decode role asks the prefill side to run prompts
-(standing in for the proxy that routes a request to prefill first), READs each one,
-loads it to its device, verifies every byte, and prints one row per request plus a
-summary (GB/s, p50/p99 latency per phase).
+Asks the prefill side to run prompts (standing in for the proxy that routes a request
+to prefill first), READs each one, loads it to its device, verifies every byte, and
+prints one row per request plus a summary (GB/s, p50/p99 latency per phase). A prefill
+that stops answering ends the run at the first refused or unanswered request.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from types import FrameType
 from typing import TextIO
 
-from kvstage.cache import HostLayout
-from kvstage.layout import KVLayout
+from kvstage.cli import args as cli_args
+from kvstage.cli import net
+from kvstage.errors import HandshakeTimeout, KVStageError, PeerError, PeerUnavailable
 from kvstage.pd import messages as m
-from kvstage.pd import multihost
 from kvstage.pd.decode import DecodeWorker
-from kvstage.pd.handshake import HandshakeTimeout, PeerError, parse_address
-from kvstage.pd.prefill import DEFAULT_LEASE_S, PrefillWorker
-from kvstage.presets import PRESETS, preset
+from kvstage.pd.side_channel import parse_address
 from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import make_decode
 
 DEFAULT_PORT = 5600
-DEFAULT_BLOCKS = {"llama-3.1-8b": 192, "gpt-oss-20b": 768}
+#: the largest prompt a CLI decode asks for (gemma-3-1b: 8 GiB of KV at 2**24 tokens)
+MAX_PROMPT_TOKENS = 1 << 24
 
 
-def _positive(kind: type, name: str) -> Callable[[str], int | float]:
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
-        return value
-
-    return parse
-
-
-def add_layout_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="gemma-3-1b", choices=sorted(PRESETS))
-    p.add_argument("--num-blocks", type=_positive(int, "--num-blocks"), default=None,
-                   help="blocks in the pool (default: 2048, fewer for large-page presets)")
-    p.add_argument("--host-layout", default="block_major", choices=[h.value for h in HostLayout])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--transport", default="nixl", choices=["nixl", "loopback"])
-
-
-def layout_from_args(args: argparse.Namespace) -> KVLayout:
-    blocks = args.num_blocks or DEFAULT_BLOCKS.get(args.preset, 2048)
-    return preset(args.preset, num_blocks=blocks)
-
-
-# -- prefill -------------------------------------------------------------------------------
-def add_prefill_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
-                   help="HOST:PORT of the side channel (port 0 picks a free one)")
-    p.add_argument("--lease-s", type=_positive(float, "--lease-s"), default=DEFAULT_LEASE_S)
-    add_layout_arguments(p)
-    multihost.add_ucx_arguments(p)
-
-
-def run_prefill(args: argparse.Namespace) -> int:
-    host, port = parse_address(args.listen)
-    ucx = multihost.setup_ucx(args, host)
-    try:
-        worker = PrefillWorker(
-            layout_from_args(args), host=host, port=port, device=args.device,
-            host_layout=HostLayout(args.host_layout), lease_s=args.lease_s,
-            transport=args.transport,
-        )
-    except (OSError, RuntimeError, ValueError) as exc:
-        print(f"kvstage prefill: cannot start on {args.listen} ({ucx}): {exc}", file=sys.stderr)
-        return multihost.EXIT_UNUSABLE_PEER
-
-    def stop(signum: int, _frame: FrameType | None) -> None:
-        worker.stop()
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    h, p = worker.address
-    lay = worker.layout
-    print(f"kvstage prefill listening on {h}:{p} engine={worker.engine_id} preset={lay.name} "
-          f"groups={lay.num_groups} tensors={lay.num_tensors} blocks={lay.num_blocks} "
-          f"host={worker.host.nbytes >> 20} MiB", flush=True)
-    print(f"kvstage prefill {ucx}", flush=True)
-    try:
-        worker.serve_forever()
-    finally:
-        s = worker.stats()
-        worker.close()
-        print(f"kvstage prefill stopped: prefilled={s.prefilled} completed={s.completed} "
-              f"released={s.released} expired={s.expired} held_at_stop={s.held_requests}",
-              flush=True)
-    return 0
-
-
-# -- decode --------------------------------------------------------------------------------
 @dataclass
 class Row:
     request: str
@@ -170,7 +94,7 @@ def print_rows(rows: list[Row], file: TextIO | None = None) -> None:
         verdict = "ok, bytes verified" if r.verified else f"{r.status.upper()}: {r.reason}"
         print(f"{r.request:<14}{r.layout:<14}{r.tokens:>7} {r.blocks:<16}{r.nbytes / 2**20:>8.1f}"
               f"{r.descriptors:>6}{r.d2h_ms:>8.2f}{r.read_ms:>9.2f}{r.h2d_ms:>8.2f}"
-              f"{r.gbps:>10.2f}  {verdict}", file=file)
+              f"{f'{r.gbps:.2f}' if r.verified else '-':>10}  {verdict}", file=file)
 
 
 def print_summary(rows: list[Row], file: TextIO | None = None) -> None:
@@ -190,17 +114,20 @@ def print_summary(rows: list[Row], file: TextIO | None = None) -> None:
               file=file)
 
 
-def add_decode_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connect", default=f"127.0.0.1:{DEFAULT_PORT}", help="prefill HOST:PORT")
-    p.add_argument("--requests", type=_positive(int, "--requests"), default=4)
-    p.add_argument("--prompt-tokens", type=_positive(int, "--prompt-tokens"), nargs="+",
-                   default=[512, 2048, 8192], help="cycled over the requests")
-    p.add_argument("--read-timeout-s", type=_positive(float, "--read-timeout-s"), default=10.0)
-    p.add_argument("--handshake-timeout-s", type=_positive(float, "--handshake-timeout-s"),
-                   default=5.0)
-    p.add_argument("--json", default=None, help="write the rows as JSON here")
-    add_layout_arguments(p)
-    multihost.add_ucx_arguments(p)
+    p.add_argument("--requests", type=cli_args.positive(int, "--requests", high=10**6),
+                   default=4)
+    p.add_argument("--prompt-tokens", nargs="+", default=[512, 2048, 8192],
+                   type=cli_args.positive(int, "--prompt-tokens", high=MAX_PROMPT_TOKENS),
+                   help="cycled over the requests")
+    p.add_argument("--read-timeout-s", default=10.0,
+                   type=cli_args.positive(float, "--read-timeout-s", high=3600.0))
+    p.add_argument("--handshake-timeout-s", default=5.0,
+                   type=cli_args.positive(float, "--handshake-timeout-s", high=3600.0))
+    cli_args.add_json_argument(p)
+    cli_args.add_layout_arguments(p)
+    cli_args.add_ucx_arguments(p)
 
 
 def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:
@@ -216,40 +143,44 @@ def _abort_in_flight(worker: DecodeWorker, addr: tuple[str, int], rid: str, why:
         try:
             worker.client(*addr).call(m.Release(request_id=rid), timeout_s=1.0)
             return "prefill released its blocks"
-        except (HandshakeTimeout, PeerError, ValueError):
+        except KVStageError:
             return "prefill holds nothing for it (or frees it when its lease ends)"
 
 
-def run_decode(args: argparse.Namespace) -> int:
-    addr = parse_address(args.connect)
-    layout = layout_from_args(args)
+def run(args: argparse.Namespace) -> int:
+    try:
+        addr = parse_address(args.connect)
+        layout = cli_args.layout_from_args(args)
+    except (KVStageError, argparse.ArgumentTypeError) as exc:
+        print(f"kvstage decode: {exc}", file=sys.stderr)
+        return 2
     rows: list[Row] = []
     try:
-        multihost.probe(*addr, timeout_s=min(args.handshake_timeout_s, multihost.PROBE_TIMEOUT_S))
-    except multihost.PeerUnavailable as exc:
+        net.probe(*addr, timeout_s=min(args.handshake_timeout_s, net.PROBE_TIMEOUT_S))
+    except PeerUnavailable as exc:
         print(f"kvstage decode: {exc}", file=sys.stderr)
-        return multihost.EXIT_UNUSABLE_PEER
-    ucx = multihost.setup_ucx(args, addr[0])
+        return net.EXIT_UNUSABLE_PEER
+    ucx = cli_args.setup_ucx(args, addr[0])
     print(f"kvstage decode -> {args.connect} preset={layout.name} blocks={layout.num_blocks} "
           f"{ucx}", flush=True)
     rid, tokens = "", 0
-    with multihost.signals_raise():
+    with net.signals_raise():
         try:
-            worker = DecodeWorker(
-                layout, device=args.device, host_layout=HostLayout(args.host_layout),
+            worker = make_decode(
+                layout, device=args.device, host_layout=args.host_layout,
                 transport=args.transport, read_timeout_s=args.read_timeout_s,
                 handshake_timeout_s=args.handshake_timeout_s,
             )
-        except (OSError, RuntimeError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError, ImportError) as exc:
             print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",
                   file=sys.stderr)
-            return multihost.EXIT_UNUSABLE_PEER
+            return net.EXIT_UNUSABLE_PEER
         with worker:
             try:
                 worker.connect(*addr)
             except (OSError, TimeoutError, ValueError, RuntimeError) as exc:
-                print(f"kvstage decode: {multihost.explain(exc, args.connect)}", file=sys.stderr)
-                return multihost.EXIT_UNUSABLE_PEER
+                print(f"kvstage decode: {net.explain(exc, args.connect)}", file=sys.stderr)
+                return net.EXIT_UNUSABLE_PEER
             tag = f"{int(time.time() * 1000) % 10**8:08d}"
             try:
                 for i in range(args.requests):
@@ -258,10 +189,17 @@ def run_decode(args: argparse.Namespace) -> int:
                     try:
                         row = run_one(worker, addr, rid, tokens, seed=i + 1,
                                       timeout_s=args.read_timeout_s)
-                    except (HandshakeTimeout, PeerError, ValueError, OSError) as exc:
+                    except (HandshakeTimeout, PeerUnavailable) as exc:
+                        # the prefill stopped answering: every later request would wait
+                        # out its own timeout, so stop here
+                        rows.append(_failed_row(layout.name, rid, tokens, "failed", str(exc)))
+                        print(f"kvstage decode: prefill at {args.connect} stopped answering; "
+                              f"{args.requests - i - 1} requests not sent", file=sys.stderr)
+                        break
+                    except (PeerError, ValueError, OSError) as exc:
                         row = _failed_row(layout.name, rid, tokens, "failed", str(exc))
                     rows.append(row)
-            except multihost.Interrupted as sig:
+            except net.Interrupted as sig:
                 how = _abort_in_flight(worker, addr, rid, f"interrupted by {sig.name}")
                 rows.append(_failed_row(layout.name, rid, tokens, "aborted", sig.name))
                 print_rows(rows)

@@ -1,8 +1,8 @@
 """`kvstage demo | prefill | decode | bench copy | bench transfer | bench soak`.
 
-Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``; modules are imported when the CLI is built, and none of them
-imports NIXL or CUDA at import time.
+One convention: every command module exposes ``add_arguments(parser)`` and
+``run(args) -> int``. The table below names them all; a missing module is an error,
+never skipped. No command module imports NIXL or CUDA at import time.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from collections.abc import Sequence
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
-    (("demo",), "kvstage.pd.demo", "prefill -> decode over NIXL on 127.0.0.1, bytes verified"),
-    (("prefill",), "kvstage.pd.roles", "serve a prefill worker: side channel, NIXL, host buffer"),
-    (("decode",), "kvstage.pd.roles", "run requests against a prefill worker and verify bytes"),
+    (("demo",), "kvstage.cli.demo", "prefill -> decode over NIXL on 127.0.0.1, bytes verified"),
+    (("prefill",), "kvstage.cli.prefill", "serve a prefill role: side channel, NIXL, host buffer"),
+    (("decode",), "kvstage.cli.decode", "run requests against a prefill and verify every byte"),
     (("bench", "copy"), "kvstage.bench.copy", "device<->host copy strategies, op counts, memory"),
     (("bench", "transfer"), "kvstage.bench.transfer", "NIXL READ: merged vs per-block descs"),
     (("bench", "soak"), "kvstage.bench.soak", "many requests with faults; every one accounted for"),
@@ -28,12 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     for path, module_name, help_text in COMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name != module_name:
-                raise
-            continue  # not built yet
+        module = importlib.import_module(module_name)
         if len(path) == 1:
             p = sub.add_parser(path[0], help=help_text, description=help_text)
         else:
@@ -41,10 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                 g = sub.add_parser(path[0], help=f"{path[0]} subcommands")
                 groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
-        adder = getattr(module, f"add_{path[-1]}_arguments", None) or module.add_arguments
-        adder(p)
-        runner = getattr(module, f"run_{path[-1]}", None) or module.run
-        p.set_defaults(_run=runner)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
     return parser
 
 

@@ -1,0 +1,7 @@
+"""`python -m kvstage.cli ...` is `kvstage ...`."""
+
+import sys
+
+from kvstage.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""Arguments every command shares, and validators that refuse careless input up front.
+
+A bad value gets one line from argparse (exit 2) naming the flag, what arrived and what
+is expected: NaN, infinities and non-positive numbers are refused wherever a positive
+number is meant, and an output path is checked writable before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+from kvstage.cache import HostLayout
+from kvstage.layout import KVLayout
+from kvstage.presets import PRESETS, preset
+from kvstage.transport import TRANSPORTS, ucx_env
+
+DEFAULT_BLOCKS = {"llama-3.1-8b": 192, "gpt-oss-20b": 768}
+#: the most blocks a CLI pool may have (a 2048-block gemma-3-1b pool is 1 GiB); a larger
+#: request is refused before anything is allocated
+MAX_POOL_BYTES = 16 << 30
+
+
+def number(kind: type, name: str, *, low: float = 0.0, inclusive: bool = False,
+           high: float = math.inf) -> Callable[[str], Any]:
+    """An argparse type: ``kind`` (int or float), finite, ``> low`` (``>=`` if inclusive),
+    ``<= high``."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be {'an integer' if kind is int else 'a number'}, got {text!r}"
+            ) from None
+        if kind is float and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number, got {text!r}")
+        ok = value >= low if inclusive else value > low
+        if not ok or value > high:
+            bound = f">= {low:g}" if inclusive else f"> {low:g}"
+            top = f" and <= {high:g}" if high < math.inf else ""
+            raise argparse.ArgumentTypeError(f"{name} must be {bound}{top}, got {text}")
+        return value
+
+    return parse
+
+
+def positive(kind: type, name: str, high: float = math.inf) -> Callable[[str], Any]:
+    return number(kind, name, high=high)
+
+
+def fraction(name: str) -> Callable[[str], float]:
+    """A float in [0, 1]."""
+    return number(float, name, low=0.0, inclusive=True, high=1.0)
+
+
+def writable_path(suffix: str | None = None) -> Callable[[str], str]:
+    """An output path whose folder exists and is writable (checked before the run)."""
+
+    def parse(text: str) -> str:
+        if suffix and not text.endswith(suffix):
+            raise argparse.ArgumentTypeError(f"expected a path ending in {suffix}, got {text!r}")
+        folder = os.path.dirname(os.path.abspath(text))
+        if not os.path.isdir(folder):
+            raise argparse.ArgumentTypeError(f"folder {folder!r} of {text!r} does not exist")
+        if not os.access(folder, os.W_OK) or (os.path.exists(text) and not os.access(text,
+                                                                                      os.W_OK)):
+            raise argparse.ArgumentTypeError(f"cannot write {text!r} (permission denied)")
+        return text
+
+    return parse
+
+
+def add_transport_argument(p: argparse.ArgumentParser, default: str = "nixl") -> None:
+    p.add_argument("--transport", default=default, choices=sorted(TRANSPORTS),
+                   help="nixl: real NIXL/UCX; loopback: in-process (tests)")
+
+
+def add_layout_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="gemma-3-1b", choices=sorted(PRESETS))
+    p.add_argument("--num-blocks", type=number(int, "--num-blocks", low=2, inclusive=True),
+                   default=None,
+                   help="blocks in the pool (default: 2048, fewer for large-page presets)")
+    p.add_argument("--host-layout", default="block_major", choices=[h.value for h in HostLayout])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    add_transport_argument(p)
+
+
+def layout_from_args(args: argparse.Namespace) -> KVLayout:
+    """The preset at ``--num-blocks``; a pool over `MAX_POOL_BYTES` is refused (exit 2)
+    before anything is allocated."""
+    blocks = args.num_blocks or DEFAULT_BLOCKS.get(args.preset, 2048)
+    layout = preset(args.preset, num_blocks=blocks)
+    if layout.pool_bytes > MAX_POOL_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"--num-blocks {blocks} makes a {layout.pool_bytes / 2**30:.1f} GiB {args.preset} "
+            f"pool; at most {MAX_POOL_BYTES >> 30} GiB (device and host each)"
+        )
+    return layout
+
+
+def add_ucx_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ucx-tls", default=None,
+                   help="UCX_TLS for this process (default: from the address; the "
+                        "environment's UCX_TLS wins)")
+    p.add_argument("--ucx-net-devices", default=None,
+                   help="UCX_NET_DEVICES for this process, e.g. eth0 or all (default: the "
+                        "interface that carries the address; the environment's wins)")
+
+
+def setup_ucx(args: argparse.Namespace, host: str) -> str:
+    """Apply the UCX choice for ``host`` (nixl transport only); returns what was chosen."""
+    if args.transport != "nixl":
+        return f"ucx: not used (--transport {args.transport})"
+    choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices)
+    ucx_env.apply(choice)
+    return "ucx: " + choice.describe()
+
+
+def add_json_argument(p: argparse.ArgumentParser, what: str = "the rows") -> None:
+    p.add_argument("--json", default=None, metavar="PATH.json", type=writable_path(),
+                   help=f"write {what} as JSON here")
