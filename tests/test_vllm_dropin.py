@@ -58,33 +58,26 @@ def device_caches(names: list[tuple[str, int]], kind: str, nb: int = NB, seed: i
 
     def view(t: int) -> torch.Tensor:
         raw = elems[t * nb * page : (t + 1) * nb * page]
-        if kind == "lbhnc":
-            return raw.view(nb, h, bs, 2 * hs)
-        if kind == "lbnhc":  # physical [nb, bs, h, 2hs], logical [nb, h, bs, 2hs]
-            return raw.view(nb, bs, h, 2 * hs).permute(0, 2, 1, 3)
-        if kind == "nhd":
-            return raw.view(nb, bs, h, 2 * hs)
-        if kind == "kv0":
-            return raw.view(nb, 2, bs, h, hs)
-        if kind == "kv1":
-            return raw.view(2, nb, bs, h, hs)
-        assert kind == "interleaved"  # blocks of all tensors interleaved in the buffer
-        return elems.view(nb, num_t, h, bs, 2 * hs)[:, t]
+        return {
+            "lbhnc": lambda: raw.view(nb, h, bs, 2 * hs),
+            # physical [nb, bs, h, 2hs], logical [nb, h, bs, 2hs] (a permuted view)
+            "lbnhc": lambda: raw.view(nb, bs, h, 2 * hs).permute(0, 2, 1, 3),
+            "nhd": lambda: raw.view(nb, bs, h, 2 * hs),
+            "kv0": lambda: raw.view(nb, 2, bs, h, hs),
+            "kv1": lambda: raw.view(2, nb, bs, h, hs),
+            # the blocks of all tensors interleaved in the buffer
+            "interleaved": lambda: elems.view(nb, num_t, h, bs, 2 * hs)[:, t],
+        }[kind]()
 
     tensors = [view(t) for t in range(num_t)]
     return {name: tensors[t] for name, t in names}
 
 
 def host_per_layer(device: Caches, seed: int = 1) -> Caches:
-    """vLLM's initialize_host_xfer_buffer: one torch.empty per layer name."""
+    """vLLM's initialize_host_xfer_buffer: one allocation per layer name (random bytes)."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, t in device.items():
-        host = torch.empty(t.shape, dtype=t.dtype)
-        host.view(torch.uint8).copy_(
-            torch.randint(0, 256, host.view(torch.uint8).shape, dtype=torch.uint8, generator=gen))
-        out[name] = host
-    return out
+    return {name: torch.randint(-128, 128, (t.nbytes,), dtype=torch.int8, generator=gen)
+            .view(t.dtype).view(t.shape) for name, t in device.items()}
 
 
 def storages(*dicts: Caches) -> list[torch.Tensor]:
@@ -232,6 +225,7 @@ def test_src_and_dst_share_memory(case: str, kind: str, host: str,
     run_both(sides(kind, "h2d", host), *SHARED[case], "h2d", KINDS[kind], oracle)
 
 
+# null pairs are copied (vLLM's op copies them; the old drop-in skipped them)
 REPEATS = {"dst twice": ([1, 2, 3], [5, 5, 6]), "src twice": ([4, 4], [2, 3]),
            "null pairs": ([0, 0, 5], [0, 0, 6]), "all one dst": ([1, 2, 3, 4], [9, 9, 9, 9]),
            "null dst twice": ([3, 0], [0, 0])}
@@ -243,27 +237,25 @@ def test_repeated_ids(case: str, direction: str, oracle: Callable[..., None]) ->
     run_both(sides("lbhnc", direction), *REPEATS[case], direction, 0, oracle)
 
 
-def test_null_pair_is_copied() -> None:
-    dev = device_caches(gemma_names(), "lbhnc")
-    host = host_per_layer(dev)
-    copy_blocks(dev, host, [0, 0, 5], [0, 0, 6], "d2h")
-    for name, t in dev.items():
-        assert torch.equal(host[name][0].view(torch.uint8), t[0].view(torch.uint8)), name
-
-
 # -- copy counts ----------------------------------------------------------------------
 
 IDS = [1, 2, 3, 7, 8, 12]  # 3 runs
 
 
 def owners(addr: int, caches: Caches) -> frozenset[str]:
-    """The layer names whose tensor holds the byte at ``addr``."""
-    return frozenset(n for n, t in caches.items() if t.data_ptr() <= addr < t.data_ptr() + t.nbytes)
+    """The layer names whose tensor has a block (dim 0) starting at ``addr``."""
+    out = set()
+    for n, t in caches.items():
+        q, r = divmod(addr - t.data_ptr(), t.stride(0) * t.element_size())
+        if r == 0 and 0 <= q < t.shape[0]:
+            out.add(n)
+    return frozenset(out)
 
 
-def test_gemma_d2h_writes_each_host_buffer_once_per_run() -> None:
+@pytest.mark.parametrize("kind", ["lbnhc", "interleaved"])  # interleaved: extents overlap
+def test_gemma_d2h_writes_each_host_buffer_once_per_run(kind: str) -> None:
     names = gemma_names()
-    dev = device_caches(names, "lbnhc")
+    dev = device_caches(names, kind)
     host = host_per_layer(dev)
     with CopyLog() as log:
         copy_blocks(dev, host, IDS, IDS, "d2h")
@@ -286,12 +278,22 @@ def test_gemma_h2d_reads_the_last_writer_once_per_run() -> None:
                     for t, n in last.items()}
 
 
-def test_interleaved_views_still_take_the_disjoint_path() -> None:
-    dev = device_caches(gemma_names(), "interleaved")
-    host = host_per_layer(dev)
+@pytest.mark.parametrize(("offset", "loop"), [(32, True), (64, False), (128, True)])
+def test_strided_destinations_overlap_or_not(offset: int, loop: bool) -> None:
+    """Two destinations in one buffer, 64-byte blocks every 128 bytes, the second view
+    ``offset`` bytes in: interleaved (64) they are disjoint, else they share bytes."""
+    def make() -> tuple[Caches, Caches]:
+        gen = torch.Generator().manual_seed(offset)
+        back = torch.randint(-128, 128, (NB * 128 + 128,), dtype=torch.int8, generator=gen)
+        views = [torch.as_strided(back, (NB, 64), (128, 1), o) for o in (0, offset)]
+        src = {n: torch.randint(-128, 128, (NB, 64), dtype=torch.int8, generator=gen)
+               for n in "ab"}
+        return src, dict(zip("ab", views, strict=True))
+
     with CopyLog() as log:
-        copy_blocks(dev, host, IDS, IDS, "d2h")
-    assert dict(log.counts) == {"copy_": 26 * 3}
+        copy_blocks(*make(), [1, 2, 3], [2, 3, 4], "d2h")
+    assert dict(log.counts) == ({"index": 2, "index_put_": 2} if loop else {"copy_": 2})
+    run_both(make, [1, 2, 3, 2], [2, 3, 4, 3], "d2h", 0)
 
 
 def test_partial_overlap_takes_vllms_loop() -> None:
