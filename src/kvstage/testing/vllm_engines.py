@@ -56,7 +56,6 @@ class Completion:
     logprobs: list[dict[int, float]]
     kv_transfer_params: dict[str, Any] | None
     finish_reason: str | None
-    seconds_to_first_token: float | None
 
 
 class VLLMEngine:
@@ -67,6 +66,8 @@ class VLLMEngine:
         self._proc: subprocess.Popen[bytes] | None = None
         self._results: int | None = None
         self._buf = b""
+        #: wall seconds of the last ``LLM.generate`` call, measured in the child
+        self.last_generate_s = float("nan")
 
     def __enter__(self) -> VLLMEngine:
         return self
@@ -133,13 +134,13 @@ class VLLMEngine:
         self._proc.stdin.write(json.dumps(request).encode() + b"\n")
         self._proc.stdin.flush()
         message = self._read_message(timeout, expect="results")
+        self.last_generate_s = float(message["seconds"])
         return [
             Completion(
                 token_ids=r["token_ids"],
                 logprobs=[{int(k): v for k, v in step.items()} for step in r["logprobs"]],
                 kv_transfer_params=r["kv_transfer_params"],
                 finish_reason=r["finish_reason"],
-                seconds_to_first_token=r["seconds_to_first_token"],
             )
             for r in message["results"]
         ]
@@ -250,7 +251,9 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
                 )
                 for kv in request["kv_transfer_params"]
             ]
+            start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
         except Exception as e:  # report it to the parent, then keep serving
             send({"kind": "results", "error": f"{type(e).__name__}: {e}"})
             continue
@@ -258,16 +261,13 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
         for o in outputs:
             c = o.outputs[0]
             steps = [{str(k): v.logprob for k, v in step.items()} for step in (c.logprobs or [])]
-            m = o.metrics
-            ttft = getattr(m, "first_token_latency", None) if m is not None else None
             results.append({
                 "token_ids": list(c.token_ids),
                 "logprobs": steps,
                 "kv_transfer_params": o.kv_transfer_params,
                 "finish_reason": c.finish_reason,
-                "seconds_to_first_token": ttft,
             })
-        send({"kind": "results", "results": results})
+        send({"kind": "results", "results": results, "seconds": seconds})
 
 
 if __name__ == "__main__":

