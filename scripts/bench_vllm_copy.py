@@ -7,7 +7,7 @@ per layer name). Both ops get the same ids (the request's groups concatenated, a
 ``save_kv_to_host`` passes them) and run interleaved, ``torch.set_num_threads(1)``; the
 table shows medians. The baseline is vLLM's real op (the CPU platform given the CUDA
 platform's two bodies from vLLM's cuda.py) when vLLM is importable, else the transcribed
-loop from tests/test_vllm_dropin.py.
+loop from tests/integrations/test_vllm_copy_op.py.
 
     .venv-vllm/bin/python scripts/bench_vllm_copy.py [--repeats 21]
 """
