@@ -8,12 +8,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import as_bytes, check_invariants, fill_host_random, make_pair
+import kvstage as ks
 from kvstage import (
     PRESETS,
     BlockPool,
@@ -32,6 +33,16 @@ from kvstage import (
 from kvstage.layout import DTYPES
 from kvstage.plan import INDEX_BYTES
 from kvstage.testing.baselines import Strategy, make_engine
+from tests.helpers import (
+    as_bytes,
+    assert_unchanged,
+    check_invariants,
+    fill_host_random,
+    make_pair,
+    ok_ids,
+    raw_bytes,
+    snap,
+)
 
 NUM_BLOCKS = 32
 
@@ -354,3 +365,149 @@ def test_cuda_byte_exact_vs_naive(
         dst_before=dst_before, dst_after=as_bytes(dst.canonical),
         ids=[b for g in groups for b in g], null_may_change=strategy != "fused",
     )
+
+
+# -- bad input: block ids -------------------------------------------------------------
+
+@pytest.mark.parametrize("direction", list(ks.Direction))
+def test_ids_out_of_range(engine: ks.CopyEngine, direction: ks.Direction) -> None:
+    before = snap(engine)
+    ids = ok_ids()
+    ids[6].append(64)  # num_blocks is 64: valid ids are 0..63
+    with pytest.raises(ValueError, match=r"block id 64 is out of range: ids must be in \[0, 64\)"):
+        engine.copy(ids, direction)
+    assert_unchanged(engine, before)
+
+
+def test_negative_ids(engine: ks.CopyEngine) -> None:
+    before = snap(engine)
+    ids = ok_ids()
+    ids[0][0] = -3
+    with pytest.raises(ValueError, match=r"block id -3 is negative: ids must be in \[0, 64\)"):
+        engine.save_to_host(ids)
+    assert_unchanged(engine, before)
+
+
+def test_duplicate_id_within_a_group(engine: ks.CopyEngine) -> None:
+    before = snap(engine)
+    ids = ok_ids()
+    ids[6] = [16, 17, 16]
+    with pytest.raises(ValueError, match="block id 16 appears twice in group 6: non-null ids "
+                       "are unique across all groups"):
+        engine.load_to_device(ids)
+    assert_unchanged(engine, before)
+
+
+def test_duplicate_id_across_groups(engine: ks.CopyEngine) -> None:
+    before = snap(engine)
+    ids = ok_ids()
+    ids[3] = [10]  # also in group 0
+    with pytest.raises(ValueError, match=r"block id 10 appears in groups \[0, 3\]"):
+        engine.save_to_host(ids)
+    # the null id may repeat anywhere: that is not a duplicate
+    engine.plan([[0, 10], [0], [0], [0], [0], [0], [0, 11]])
+    assert_unchanged(engine, before)
+
+
+@pytest.mark.parametrize("num_lists", [0, 1, 6, 8])
+def test_wrong_number_of_groups(engine: ks.CopyEngine, num_lists: int) -> None:
+    before = snap(engine)
+    ids = [[20 + g] for g in range(num_lists)]
+    with pytest.raises(ValueError, match=rf"expected 7 block-id lists \(one per KV cache group "
+                       rf"of gemma-3-1b\), got {num_lists}; pass \[\] for a group"):
+        engine.save_to_host(ids)
+    assert_unchanged(engine, before)
+
+
+@pytest.mark.parametrize(
+    ("ids", "err"),
+    [
+        ("1,2,3", TypeError),
+        ([[1.5], [], [], [], [], [], []], TypeError),
+        ([["a"], [], [], [], [], [], []], TypeError),
+        ([np.array([1.0]), [], [], [], [], [], []], TypeError),
+    ],
+    ids=["string", "float", "str-id", "float-array"],
+)
+def test_non_integer_ids(engine: ks.CopyEngine, ids: Any, err: type[Exception]) -> None:
+    before = snap(engine)
+    with pytest.raises(err, match="must be (ints|a sequence of per-group id lists)"):
+        engine.save_to_host(ids)
+    assert_unchanged(engine, before)
+
+
+def test_ids_validated_for_another_layout(engine: ks.CopyEngine) -> None:
+    before = snap(engine)
+    other = ks.preset("gemma-3-1b", num_blocks=128, block_size=4)
+    ids = ks.GroupedBlockIds([[100], [], [], [], [], [], []], other)
+    with pytest.raises(ValueError, match=r"ids validated for 7 groups x 128 blocks; this "
+                       r"engine's layout has 7 x 64"):
+        engine.save_to_host(ids)
+    with pytest.raises(ValueError, match="rebuild them for it"):
+        ks.plan_copy(engine.layout, ids)
+    assert_unchanged(engine, before)
+
+
+
+
+# -- bad input: engine set-up ---------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("host_kwargs", "expected"),
+    [
+        ({"dtype": "bfloat16"}, "group 0 dtype is 'float16' (cache), 'bfloat16' (host)"),
+        ({"num_blocks": 32}, "num_blocks is 16 (cache), 32 (host)"),
+        ({"head_size": 64}, "group 0 head_size is 128 (cache), 64 (host)"),
+        ({"cache_layout": ks.CacheLayout.KV_SPLIT}, "cache_layout is <CacheLayout.PACKED"),
+    ],
+    ids=["dtype", "num_blocks", "shape", "cache-layout"],
+)
+def test_cache_and_host_of_different_layouts(host_kwargs: dict[str, Any], expected: str) -> None:
+    base: dict[str, Any] = {"num_layers": 4, "num_groups": 2, "num_blocks": 16}
+    cache = ks.KVCache(ks.synthetic_layout(**base))
+    cache.fill_random(3)
+    host = ks.HostBuffer(ks.synthetic_layout(**(base | host_kwargs)))
+    cache_before, host_before = raw_bytes(cache.slab), raw_bytes(host.storage)
+    with pytest.raises(ValueError) as err:
+        ks.CopyEngine(cache, host)
+    msg = str(err.value)
+    assert "device cache and host buffer were built for different layouts" in msg
+    assert expected in msg
+    assert "build both from one KVLayout" in msg
+    assert torch.equal(raw_bytes(cache.slab), cache_before)
+    assert torch.equal(raw_bytes(host.storage), host_before)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"mode": "turbo"}, "mode must be 'auto', 'direct' or 'staged', got 'turbo'"),
+        ({"max_temp_bytes": 0}, "max_temp_bytes must be a positive int, got 0"),
+        ({"max_temp_bytes": 1.5}, "max_temp_bytes must be a positive int, got 1.5"),
+    ],
+    ids=["mode", "budget-zero", "budget-float"],
+)
+def test_engine_bad_options(engine: ks.CopyEngine, kwargs: dict[str, Any], expected: str) -> None:
+    before = snap(engine)
+    with pytest.raises(ValueError) as err:
+        ks.CopyEngine(engine.cache, engine.host, **kwargs)
+    assert expected in str(err.value)
+    with pytest.raises(ValueError, match="max_temp_bytes must be a positive int, got -1"):
+        ks.plan_copy(engine.layout, ks.GroupedBlockIds(ok_ids(), engine.layout),
+                     max_temp_bytes=-1)
+    assert_unchanged(engine, before)
+
+
+def test_wrong_device_and_pinning() -> None:
+    layout = ks.synthetic_layout(num_layers=2, num_groups=1, num_blocks=8)
+    if torch.cuda.is_available():
+        pytest.skip("checks the no-CUDA refusals; this machine has CUDA")
+    with pytest.raises(ValueError, match=r"device='cuda' requested but "
+                       r"torch.cuda.is_available\(\) is False"):
+        ks.KVCache(layout, device="cuda")
+    with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+        ks.HostBuffer(layout, pin_memory=True)
+    with pytest.raises(TypeError, match="host_layout must be a HostLayout, got 'mirror'"):
+        ks.HostBuffer(layout, "mirror")  # type: ignore[arg-type]
+
+

@@ -4,9 +4,11 @@ checks naming the first differing field, and every construction error."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
+import kvstage as ks
 from kvstage import (
     PRESETS,
     CacheLayout,
@@ -330,3 +332,45 @@ def test_mla_needs_one_head_and_sliding_window_positive() -> None:
         MLASpec(block_size=16, head_size=576, num_kv_heads=2)
     with pytest.raises(ValueError, match="sliding_window must be a positive int"):
         SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8, sliding_window=0)
+
+
+# -- bad input: layouts ---------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: ks.preset("llama-3.1-8b", num_blocks=0), "num_blocks must be a positive int, "
+                                                          "got 0"),
+        (lambda: ks.synthetic_layout(num_layers=2, num_groups=1, num_blocks=1),
+         "num_blocks must be >= 2 (block 0 is the null block), got 1"),
+        (lambda: ks.BlockPool(1), "BlockPool needs num_blocks >= 2 (0 is null), got 1"),
+        (lambda: ks.preset("gemma-3-1b", block_size=0), "block_size must be a positive int"),
+    ],
+    ids=["preset-0", "synthetic-1", "pool-1", "block-size-0"],
+)
+def test_layout_with_zero_blocks(build: Any, expected: str) -> None:
+    with pytest.raises(ValueError) as err:
+        build()
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("build", "expected"),
+    [
+        (lambda: ks.synthetic_layout(num_layers=0, num_groups=1, num_blocks=8),
+         "synthetic_layout.num_layers must be a positive int, got 0"),
+        (lambda: ks.synthetic_layout(num_layers=2, num_groups=3, num_blocks=8),
+         "num_groups (3) cannot exceed num_layers (2)"),
+        (lambda: ks.KVGroup(group_id=0, layer_names=(), spec=ks.FullAttentionSpec(
+            block_size=16, num_kv_heads=1, head_size=64)), "KVGroup 0 has no layers"),
+        (lambda: ks.KVLayout(num_blocks=8, groups=()), "KVLayout needs at least one KVGroup"),
+        (lambda: ks.group_layers([]), "group_layers needs at least one (name, spec) pair"),
+    ],
+    ids=["synthetic-0", "more-groups", "empty-group", "no-groups", "no-layers"],
+)
+def test_layout_with_zero_layers(build: Any, expected: str) -> None:
+    with pytest.raises(ValueError) as err:
+        build()
+    assert expected in str(err.value)
+
+

@@ -6,9 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import kvstage as ks
 from kvstage import NULL_BLOCK, BlockPool, GroupedBlockIds, clip_to_window, preset
 from kvstage.blocks import request_blocks
 from kvstage.presets import synthetic_layout
+from tests.helpers import pool_state
 
 LAYOUT = synthetic_layout(num_layers=4, num_groups=2, num_blocks=16, head_size=8)
 
@@ -159,3 +161,22 @@ def test_request_blocks_per_group() -> None:
     lay = preset("gemma-3-1b", num_blocks=64)
     assert request_blocks(lay, 2000) == [33] * 6 + [125]
     assert request_blocks(lay, 1) == [1] * 7
+
+
+# -- bad input: block pool ------------------------------------------------------------
+
+def test_block_pool_misuse() -> None:
+    pool = ks.BlockPool(16)
+    held = pool.allocate(5)
+    pool.free(held[:2])
+    before = pool_state(pool)
+    with pytest.raises(ValueError, match="cannot allocate 20 blocks: only 12 of 15 are free"):
+        pool.allocate(20)
+    with pytest.raises(ValueError, match=r"not allocated \(or repeated\): \[1\]; each "
+                       "allocated id is freed exactly once"):
+        pool.free([held[2], held[0]])  # held[0] was freed already: nothing is freed
+    with pytest.raises(ValueError, match="allocate\\(n\\) needs an int n >= 0, got -1"):
+        pool.allocate(-1)
+    assert pool_state(pool) == before
+
+

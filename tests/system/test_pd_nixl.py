@@ -28,8 +28,7 @@ from kvstage.pd.prefill import PrefillWorker
 from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
-from kvstage.testing.servers import PrefillProcess, make_decode, make_prefill
-from pd_helpers import serving
+from kvstage.testing.servers import PrefillProcess, PrefillThread, make_decode, make_prefill
 
 pytestmark = pytest.mark.nixl
 
@@ -60,7 +59,8 @@ def decoder(layout: KVLayout = GEMMA, **kw: object) -> Iterator[DecodeWorker]:
 
 @contextmanager
 def in_process_prefill(layout: KVLayout, host_layout: HostLayout) -> Iterator[PrefillWorker]:
-    with serving(make_prefill(layout, host_layout=host_layout, transport="nixl")) as worker:
+    with PrefillThread(make_prefill(layout, host_layout=host_layout, transport="nixl")) as srv:
+        worker = srv.worker
         yield worker
 
 

@@ -65,8 +65,9 @@ def test_soak_loopback_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 @pytest.mark.timeout(300)
 def test_soak_nixl(tmp_path: Path) -> None:
     # two presets keep CI short: a hybrid one (7 groups) and MLA (one plane)
-    code, rep = soak(tmp_path, "--transport", "nixl", "--requests", "60", "--fault-rate", "0.2",
-                     "--seed", "5", "--presets", "gemma-3-1b", "deepseek-v2-lite")
+    code, rep = soak(tmp_path, "--transport", "nixl", "--requests", "60",
+                     "--fault-rate", "0.2", "--seed", "5",
+                     "--presets", "gemma-3-1b", "deepseek-v2-lite")
     assert code == 0, rep["broken"]
     assert_invariants(rep, 60)
     assert {p["transport"] for p in rep["pairs"]} == {"nixl", "loopback"}
@@ -93,4 +94,5 @@ def test_soak_refuses_a_broken_invariant(tmp_path: Path,
     monkeypatch.setattr(DecodeWorker, "finish", leaky_finish)
     code, rep = soak(tmp_path, "--transport", "loopback", "--requests", "30", "--fault-rate",
                      "0", "--presets", "llama-3.1-8b")
-    assert code == 1 and leaked and any("decode pool has" in b and "(leak)" in b for b in rep["broken"])
+    assert code == 1 and leaked
+    assert any("decode pool has" in b and "(leak)" in b for b in rep["broken"])

@@ -1,0 +1,1 @@
+"""Real vLLM engines through kvstage's connector (`make test-vllm`)."""
