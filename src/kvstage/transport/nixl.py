@@ -3,44 +3,19 @@
 NIXL is imported when a ``NixlTransport`` is constructed, never at module import, so
 ``import kvstage.transport`` works without it.
 
-UCX settings for loopback (``default_ucx_env``; applied with ``os.environ.setdefault``
-before NIXL is imported, so values already in the environment win). Measured with
-nixl-cu12 1.5.1 between two processes on one host:
+UCX settings (``default_ucx_env``, applied with ``os.environ.setdefault`` before NIXL is
+imported, so values already in the environment win): on loopback ``UCX_TLS=tcp,sm,self,
+cma`` (the bytes move by CMA; tcp is needed for UCX's peer-failure detection) and
+``UCX_NET_DEVICES=lo``. Across hosts the role commands choose with
+`kvstage.transport.ucx_env` (tcp on the interface that carries the address). Why each
+setting, and what was measured with it (bandwidth, failure latency, the link-cut
+behaviour), is in BENCHMARKS.md and README "Across machines".
 
-- ``UCX_TLS=tcp,sm,self,cma``. The bytes of a READ move by CMA (``process_vm_readv``,
-  zero-copy; ``UCX_PROTO_INFO=y`` shows ``get ... zero-copy cma/memory``). tcp is
-  required: UCX's default ``ucx_error_handling_mode=peer`` needs an active-message
-  transport that can detect peer failure, and only tcp can here. With
-  ``UCX_TLS=sm,self`` backend creation fails (``NIXL_ERR_BACKEND``, "no active
-  messages transport ... no peer failure handler") unless the mode is ``none``, and in
-  mode ``none`` a READ from a peer killed mid-transfer stays PROC forever (30 s, tcp
-  only). In mode ``peer`` it ends NIXL_ERR_REMOTE_DISCONNECT within ~60 ms. Without
-  cma the READ falls back to tcp software emulation (see ``scripts/nixl_probe.py``).
-- ``UCX_NET_DEVICES=lo``: tcp (wire-up, notifications) stays on 127.0.0.1 instead of
-  whatever NIC the host has. Across hosts, pass ``ucx_env={}`` and set the device.
-
-Across hosts (the role commands ``kvstage prefill --listen`` / ``kvstage decode
---connect`` choose with ``kvstage.transport.ucx_env`` before building the transport;
-the environment's UCX_* win, then ``--ucx-tls`` / ``--ucx-net-devices``): a loopback
-address keeps the settings above; any other address gets ``UCX_TLS=tcp`` and
-``UCX_NET_DEVICES=<the interface that owns or routes to it>`` (``all`` for 0.0.0.0).
-Measured between two network namespaces on one host joined by a veth pair (UCX 1.23
-in nixl-cu12 1.5.1): with ``lo`` on both sides ``add_peer`` fails, "Destination is
-unreachable" (NIXL_ERR_BACKEND); with ``tcp,sm,self,cma`` on ``all`` it works but the
-READ goes by ``cma/memory`` and never crosses the link (one kernel, one PID
-namespace); with ``tcp`` on the veth the READ is ``software emulation tcp/<veth>``:
-about 0.5-1 GB/s on a 2-core host. Each agent listens on one UCX TCP port per UCX
-worker (3 with ``num_threads=2``), ephemeral unless ``UCX_TCP_PORT_RANGE`` is set;
-decode connects to prefill's. A link cut mid-READ leaves it PROC (TCP just stalls): it
-ends at the reader's own deadline, not with an error from UCX.
-
-Behaviour worth knowing (measured): with CMA, ``transfer`` copies inside the call, so
-``read`` returns after the bytes moved (~14 ms for 64 MiB) and the first ``poll`` says
-DONE; the first READ to a new peer costs 15-35 ms of connection set-up. A READ outside
-the peer's registered memory fails in ``read`` (NIXL_ERR_NOT_FOUND, < 1 ms). A peer
-killed before or during a READ surfaces as NIXL_ERR_REMOTE_DISCONNECT from ``read``
-(or FAILED from ``poll`` when the READ was still in flight), within ~60 ms. Memory
-registered after ``metadata()`` is invisible to a peer until it re-adds our metadata.
+Contract: ``read`` may complete inside the call (CMA) or later (``poll``); a READ outside
+the peer's registered memory fails in ``read``; a dead peer surfaces as a
+`TransportFailure` from ``read`` or FAILED from ``poll``; memory registered after
+``metadata()`` is invisible to a peer until it re-adds our metadata. Not thread-safe:
+one owner thread.
 """
 
 from __future__ import annotations
