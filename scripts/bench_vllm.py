@@ -155,7 +155,7 @@ def bench_ttft(repeats: int) -> list[str]:
         VLLM_HOST_PATH_CONNECTOR,
         EngineSpec,
         VLLMEngine,
-        free_port,
+        free_ports,
         kv_transfer_config,
         side_channel_env,
     )
@@ -176,9 +176,11 @@ def bench_ttft(repeats: int) -> list[str]:
                                  ("kvstage KVStageConnector", KVSTAGE_CONNECTOR)):
             specs = [
                 EngineSpec(model=str(model), log_path=f"{tmp}/{role}.log", cpu_core=core,
-                           env=side_channel_env(free_port()),
+                           env=side_channel_env(port),
                            kv_transfer_config=kv_transfer_config(connector, role))
-                for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
+                for core, role, port in zip(
+                    (0, 1), ("kv_producer", "kv_consumer"), free_ports(2), strict=True
+                )
             ]
             with VLLMEngine(specs[0]) as prefill, VLLMEngine(specs[1]) as decode:
                 prefill.start()

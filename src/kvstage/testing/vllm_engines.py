@@ -293,14 +293,22 @@ def kv_transfer_config(
     }
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for a NIXL side channel)."""
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (NIXL side channels).
+
+    All sockets stay bound until every port is picked: closing each one first would let the
+    kernel hand the same port out twice.
+    """
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def side_channel_env(port: int) -> dict[str, str]:

@@ -30,7 +30,7 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
     Completion,
     EngineSpec,
     VLLMEngine,
-    free_port,
+    free_ports,
     generate_pd,
     kv_transfer_config,
     side_channel_env,
@@ -107,7 +107,7 @@ def expected(model: Path, logs: Path) -> dict[str, list[Completion]]:
 
 @pytest.fixture(scope="module")
 def kvstage_pair(model: Path, logs: Path) -> Iterator[tuple[VLLMEngine, VLLMEngine]]:
-    p_port, d_port = free_port(), free_port()
+    p_port, d_port = free_ports(2)
     prefill = VLLMEngine(_spec(
         model, logs / "kvstage-prefill.log", core=0, port=p_port,
         kv=kv_transfer_config(KVSTAGE_CONNECTOR, "kv_producer"),
@@ -152,7 +152,7 @@ def test_kvstage_refuses_a_plain_nixl_prefill(
 ) -> None:
     _, decode = kvstage_pair
     plain = VLLMEngine(_spec(
-        model, logs / "plain-prefill.log", core=0, port=free_port(),
+        model, logs / "plain-prefill.log", core=0, port=free_ports(1)[0],
         kv=kv_transfer_config(VLLM_HOST_PATH_CONNECTOR, "kv_producer"),
     ))
     with plain:
@@ -197,7 +197,7 @@ def test_prefill_killed_decode_fails_without_hanging(
 def test_vllm_own_host_path_identical_to_single_engine(
     model: Path, logs: Path, expected: dict[str, list[Completion]]
 ) -> None:
-    p_port, d_port = free_port(), free_port()
+    p_port, d_port = free_ports(2)
     with VLLMEngine(_spec(
         model, logs / "vllm-prefill.log", core=0, port=p_port,
         kv=kv_transfer_config(VLLM_HOST_PATH_CONNECTOR, "kv_producer"),
