@@ -13,21 +13,24 @@ Three tables, markdown:
    overlaid in one int8 buffer) but live in host memory: this is the copy's CPU cost, not a
    PCIe figure.
 3. Decode TTFT for the tiny model: real prefill + decode engines (127.0.0.1, NIXL/UCX) with
-   each connector; one request at a time, the decode's ``LLM.generate(max_tokens=1)`` wall
-   time (the READ, the h2d and one forward), median of ``--ttft-repeats``.
+   each connector, both pairs up and taking turns; one request at a time, the decode's
+   ``LLM.generate(max_tokens=1)`` wall time (the READ, the h2d and one forward), median and
+   quartiles of ``--ttft-repeats``.
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 7] [--no-engines]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 25] [--no-engines]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import product
 from pathlib import Path
 
 import torch
@@ -160,10 +163,10 @@ def bench_ttft(repeats: int) -> list[str]:
         side_channel_env,
     )
 
-    rows = ["| connector | prompt tokens | decode TTFT (median) | decode tokens right? |",
-            "|---|---|---|---|"]
+    connectors = {"vLLM NixlConnector, host path forced": VLLM_HOST_PATH_CONNECTOR,
+                  "kvstage KVStageConnector": KVSTAGE_CONNECTOR}
     lengths = (64, 300)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         model = build_tiny_gemma3(Path(tmp) / "model")
         g = torch.Generator().manual_seed(3)
         prompts = {n: torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths}
@@ -171,40 +174,45 @@ def bench_ttft(repeats: int) -> list[str]:
             single.start()
             expected = {n: single.generate([p], max_tokens=1)[0].token_ids
                         for n, p in prompts.items()}
-        for label, connector in (("vLLM NixlConnector, host path forced",
-                                  VLLM_HOST_PATH_CONNECTOR),
-                                 ("kvstage KVStageConnector", KVSTAGE_CONNECTOR)):
-            specs = [
-                EngineSpec(model=str(model), log_path=f"{tmp}/{role}.log", cpu_core=core,
-                           env=side_channel_env(port),
-                           kv_transfer_config=kv_transfer_config(connector, role))
-                for core, role, port in zip(
-                    (0, 1), ("kv_producer", "kv_consumer"), free_ports(2), strict=True
-                )
-            ]
-            with VLLMEngine(specs[0]) as prefill, VLLMEngine(specs[1]) as decode:
-                prefill.start()
-                decode.start()
-                for n, prompt in prompts.items():
-                    times: list[float] = []
-                    right = True
-                    for i in range(repeats + 1):  # the first one pays the handshake
-                        first = prefill.generate([prompt], max_tokens=1,
-                                                 kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS)])
-                        out = decode.generate([prompt], max_tokens=1,
-                                              kv_transfer_params=[first[0].kv_transfer_params])
-                        right &= out[0].token_ids == expected[n]
-                        if i:
-                            times.append(decode.last_generate_s * 1e3)
-                    rows.append(f"| {label} | {n} | {statistics.median(times):.1f} ms "
-                                f"| {'yes' if right else 'no'} |")
+        # Both pairs stay up and take turns, so machine drift hits both alike. An idle
+        # in-process vLLM engine runs no loop: only the pair being measured computes.
+        pairs: dict[str, tuple[VLLMEngine, VLLMEngine]] = {}
+        ports = iter(free_ports(2 * len(connectors)))
+        for label, connector in connectors.items():
+            engines = tuple(
+                stack.enter_context(VLLMEngine(EngineSpec(
+                    model=str(model), log_path=f"{tmp}/{label[:5]}-{role}.log", cpu_core=core,
+                    env=side_channel_env(next(ports)),
+                    kv_transfer_config=kv_transfer_config(connector, role),
+                ))).start()
+                for core, role in ((0, "kv_producer"), (1, "kv_consumer"))
+            )
+            pairs[label] = (engines[0], engines[1])
+        times: dict[tuple[str, int], list[float]] = {k: [] for k in product(pairs, lengths)}
+        right = dict.fromkeys(times, True)
+        for i in range(repeats + 1):  # round 0 pays the handshakes: not timed
+            for (label, n), samples in times.items():
+                prefill, decode = pairs[label]
+                first = prefill.generate([prompts[n]], max_tokens=1,
+                                         kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS)])
+                out = decode.generate([prompts[n]], max_tokens=1,
+                                      kv_transfer_params=[first[0].kv_transfer_params])
+                right[label, n] &= out[0].token_ids == expected[n]
+                if i:
+                    samples.append(decode.last_generate_s * 1e3)
+    rows = ["| connector | prompt tokens | decode TTFT median (p25-p75) | first token right? |",
+            "|---|---|---|---|"]
+    for (label, n), samples in times.items():
+        q1, med, q3 = statistics.quantiles(samples, n=4)
+        rows.append(f"| {label} | {n} | {med:.1f} ms ({q1:.1f}-{q3:.1f}) "
+                    f"| {'yes' if right[label, n] else 'no'} |")
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=21)
-    parser.add_argument("--ttft-repeats", type=int, default=7)
+    parser.add_argument("--ttft-repeats", type=int, default=25)
     parser.add_argument("--no-engines", action="store_true", help="skip the TTFT table")
     args = parser.parse_args()
     torch.set_num_threads(1)
