@@ -6,6 +6,7 @@ of one request; id 0 is the null block (sliding-window padding) and is never cop
 
 from __future__ import annotations
 
+import numbers
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -82,69 +83,230 @@ class BlockPool:
 class GroupedBlockIds:
     """A request's block ids, one list per KV cache group, validated against a layout.
 
-    Stored as one flat int64 array plus per-group sizes (the vLLM kv_offload shape).
+    Held as the ids concatenated group after group (``flat``: int64 ``[num_ids]``) plus
+    per-group sizes (``group_sizes``: int64 ``[num_groups]``), the vLLM kv_offload shape;
+    both are built on first use. `sorted_ids` (sorted unique non-null ids) is a by-product
+    of validation.
+
+    Refused, each with a message naming the group: a wrong number of groups, a flat list
+    of ids where a list per group is expected, nested lists inside a group, ids that are
+    not ints (floats, strings, None, bools), ids outside ``[0, num_blocks)``, and a non-null
+    id held twice (in one group or across groups). Lists of Python ints are checked with
+    ``set``/``sorted`` (no per-id Python bytecode) when small and with numpy when large;
+    anything that quick check does not accept goes through the full check, which raises
+    (or accepts, e.g. numpy integers in a list) with the same rules.
+
+    ``trusted=True`` skips the per-id checks (the group count and the container types
+    are still checked): for ids the engine's own allocator handed out (vLLM's scheduler,
+    a `BlockPool`). Ids that break the rules then give undefined results.
     """
 
-    __slots__ = ("flat", "group_sizes", "num_blocks")
+    __slots__ = ("num_blocks", "_ids", "_sizes", "_flat", "_group_sizes", "_sorted", "_unique")
 
-    def __init__(self, groups: Sequence[Sequence[int]], layout: KVLayout) -> None:
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
-            raise TypeError(
-                f"block ids must be a sequence of per-group id lists, got {type(groups).__name__}"
-            )
-        if len(groups) != layout.num_groups:
-            raise ValueError(
-                f"expected {layout.num_groups} block-id lists (one per KV cache group of "
-                f"{layout.name or 'the layout'}), got {len(groups)}; pass [] for a group "
-                "with no blocks"
-            )
-        arrays = []
-        for g, ids in enumerate(groups):
-            try:
-                raw = np.asarray(ids)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(f"group {g} block ids must be ints, got {ids!r}") from exc
-            # check the kind before converting: a cast to int64 would silently truncate
-            # floats (1.5 -> 1) and parse strings ("3" -> 3); bools are not block ids
-            if raw.size and raw.dtype.kind not in "iu":
-                raise TypeError(
-                    f"group {g} block ids must be ints, got dtype {raw.dtype} ({ids!r})"
-                )
-            arrays.append(raw.astype(np.int64).reshape(-1))
+    def __init__(
+        self, groups: Sequence[Sequence[int]], layout: KVLayout, *, trusted: bool = False
+    ) -> None:
+        num_blocks = layout.num_blocks
+        self.num_blocks = num_blocks
+        self._flat: np.ndarray | None = None
+        self._group_sizes: np.ndarray | None = None
+        self._sorted: list[int] | np.ndarray | None = None
+        self._unique: np.ndarray | None = None
+        self._ids: list[int] | None = None
+        joined = _join_lists(groups)
+        if joined is not None and len(joined[1]) == layout.num_groups:
+            self._ids, self._sizes = joined
+            if trusted:
+                return
+            checked = _check_ints(self._ids, num_blocks)
+            if checked is not None:
+                self._sorted, self._flat = checked
+                if self._flat is not None:
+                    self._flat.setflags(write=False)
+                return
+        arrays = _arrays(groups, layout)  # the full check: refuses with a message
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-        sizes = np.array([a.size for a in arrays], dtype=np.int64)
-        _validate(flat, sizes, layout.num_blocks)
-        self.flat = flat
-        self.flat.setflags(write=False)
-        self.group_sizes = sizes
-        self.num_blocks = layout.num_blocks
+        if not trusted:
+            self._sorted = _validate(flat, np.array([a.size for a in arrays]), num_blocks)
+        self._ids = None
+        self._sizes = [a.size for a in arrays]
+        flat.setflags(write=False)
+        self._flat = flat
+
+    @property
+    def flat(self) -> np.ndarray:
+        """Read-only int64 ``[num_ids]``: every group's ids, group after group."""
+        if self._flat is None:
+            flat = np.array(self._ids, dtype=np.int64).reshape(-1)
+            flat.setflags(write=False)
+            self._flat = flat
+        return self._flat
+
+    @property
+    def group_sizes(self) -> np.ndarray:
+        """Read-only int64 ``[num_groups]``: ids per group (null ids included)."""
+        if self._group_sizes is None:
+            sizes = np.array(self._sizes, dtype=np.int64)
+            sizes.setflags(write=False)
+            self._group_sizes = sizes
+        return self._group_sizes
 
     def group(self, g: int) -> np.ndarray:
-        start = int(self.group_sizes[:g].sum())
-        return self.flat[start : start + int(self.group_sizes[g])]
+        start = sum(self._sizes[:g])
+        return self.flat[start : start + self._sizes[g]]
 
     @property
     def groups(self) -> list[list[int]]:
-        return [self.group(g).tolist() for g in range(len(self.group_sizes))]
+        return [self.group(g).tolist() for g in range(len(self._sizes))]
 
     @property
     def num_groups(self) -> int:
-        return len(self.group_sizes)
+        return len(self._sizes)
+
+    def sorted_ids(self) -> list[int] | np.ndarray:
+        """Sorted unique non-null ids ``[num_blocks_moved]``: a list of ints for small
+        list inputs, else an int64 array (what the planner takes either way)."""
+        if self._sorted is None:
+            if self._ids is not None and len(self._ids) <= SMALL_IDS:
+                real = set(self._ids)
+                real.discard(NULL_BLOCK)
+                self._sorted = sorted(real)
+            else:
+                self._sorted = np.unique(self.flat[self.flat != NULL_BLOCK])
+        return self._sorted
 
     def unique_ids(self) -> np.ndarray:
-        """Sorted non-null ids of the whole request (unique by validation)."""
-        return np.sort(self.flat[self.flat != NULL_BLOCK])
+        """Sorted non-null ids of the whole request (unique by validation): read-only int64
+        ``[num_blocks_moved]``."""
+        if self._unique is None:
+            ids = self.sorted_ids()
+            unique = np.array(ids, dtype=np.int64) if isinstance(ids, list) else ids
+            unique.setflags(write=False)
+            self._unique = unique
+        return self._unique
 
     def __len__(self) -> int:
-        return int(self.flat.size)
+        return len(self._ids) if self._ids is not None else int(self.flat.size)
 
     def __repr__(self) -> str:
-        return f"GroupedBlockIds(sizes={self.group_sizes.tolist()})"
+        return f"GroupedBlockIds(sizes={list(self._sizes)})"
 
 
-def _validate(flat: np.ndarray, sizes: np.ndarray, num_blocks: int) -> None:
+# Up to this many ids, ``set`` + ``sorted`` over Python ints beat numpy's per-call costs;
+# above it numpy's sort wins (BENCHMARKS.md, "Per-request floor").
+SMALL_IDS = 256
+
+
+def _join_lists(groups: object) -> tuple[list[int], list[int]] | None:
+    """(ids concatenated, sizes) when ``groups`` and every group are lists or tuples."""
+    if type(groups) is not list and type(groups) is not tuple:
+        return None
+    flat: list[int] = []
+    sizes = []
+    for ids in groups:
+        if type(ids) is not list and type(ids) is not tuple:
+            return None
+        flat += ids
+        sizes.append(len(ids))
+    return flat, sizes
+
+
+def _check_ints(
+    flat: list[int], num_blocks: int
+) -> tuple[list[int] | np.ndarray, np.ndarray | None] | None:
+    """(sorted unique non-null ids, the flat array if one was built) when ``flat`` is
+    valid Python ints, else None (the full check decides and names the problem)."""
+    n = len(flat)
+    if n == 0:
+        return [], None
+    if set(map(type, flat)) != {int}:  # bools, floats, nested lists, numpy ints ...
+        return None
+    if n <= SMALL_IDS:
+        real = set(flat)
+        real.discard(NULL_BLOCK)
+        if len(real) != n - flat.count(NULL_BLOCK):
+            return None  # a repeated non-null id
+        ids = sorted(real)
+        if ids and (ids[0] < 0 or ids[-1] >= num_blocks):
+            return None
+        return ids, None
+    try:
+        arr = np.array(flat, dtype=np.int64)
+    except OverflowError:
+        return None
+    real_arr = arr[arr != NULL_BLOCK]
+    real_arr.sort()
+    if real_arr.size and (
+        real_arr[0] < 0 or real_arr[-1] >= num_blocks or bool((real_arr[1:] == real_arr[:-1]).any())
+    ):
+        return None
+    return real_arr, arr
+
+
+def _arrays(groups: object, layout: KVLayout) -> list[np.ndarray]:
+    """Every group as an int64 ``[n]`` array, refusing what is not a list of int ids."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise TypeError(
+            f"block ids must be a sequence of per-group id lists, got {type(groups).__name__}"
+        )
+    if any(isinstance(x, (numbers.Integral, np.integer)) for x in groups):
+        raise TypeError(
+            f"block ids must be one list per KV cache group, got a flat list of ids "
+            f"{_short(groups)}; pass [[...], [...]] ({layout.num_groups} lists, [] for a "
+            "group with no blocks)"
+        )
+    if len(groups) != layout.num_groups:
+        raise ValueError(
+            f"expected {layout.num_groups} block-id lists (one per KV cache group of "
+            f"{layout.name or 'the layout'}), got {len(groups)}; pass [] for a group "
+            "with no blocks"
+        )
+    arrays = []
+    for g, ids in enumerate(groups):
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+            raise TypeError(
+                f"group {g} block ids must be ints in a list, got {type(ids).__name__} "
+                f"{_short(ids)}"
+            )
+        if isinstance(ids, Sequence) and any(isinstance(x, (Sequence, np.ndarray)) and
+                                             not isinstance(x, (str, bytes)) for x in ids):
+            raise TypeError(
+                f"group {g} holds a nested list {_short(ids)}: each group is one flat list "
+                "of int ids"
+            )
+        if isinstance(ids, Sequence) and any(isinstance(x, (bool, np.bool_)) for x in ids):
+            raise TypeError(
+                f"group {g} block ids must be ints, got a bool in {_short(ids)}: True and "
+                "False are not block ids"
+            )
+        try:
+            raw = np.asarray(ids)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"group {g} block ids must be ints, got {_short(ids)}") from exc
+        if raw.ndim != 1:
+            raise TypeError(
+                f"group {g} block ids must be a flat 1-D list of ints, got an array of "
+                f"shape {raw.shape}"
+            )
+        # check the kind before converting: a cast to int64 would silently truncate
+        # floats (1.5 -> 1) and parse strings ("3" -> 3); bools are not block ids
+        if raw.size and raw.dtype.kind not in "iu":
+            raise TypeError(
+                f"group {g} block ids must be ints, got dtype {raw.dtype} ({_short(ids)})"
+            )
+        arrays.append(raw.astype(np.int64))
+    return arrays
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _validate(flat: np.ndarray, sizes: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Range and uniqueness of ``flat``; returns its sorted unique non-null ids."""
     if flat.size == 0:
-        return
+        return flat
     bad = flat[(flat < 0) | (flat >= num_blocks)]
     if bad.size:
         kind = "negative" if bad.min() < 0 else "out of range"
@@ -166,6 +328,7 @@ def _validate(flat: np.ndarray, sizes: np.ndarray, num_blocks: int) -> None:
             f"block id {dup} appears {where}: non-null ids are unique across all groups "
             "(one shared BlockPool); only the null id 0 may repeat"
         )
+    return uniq
 
 
 def clip_to_window(groups: Sequence[Sequence[int]], layout: KVLayout) -> list[list[int]]:

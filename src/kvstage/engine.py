@@ -92,60 +92,88 @@ class CopyEngine:
         if self.is_cuda and not host.pinned:
             raise ValueError("a CUDA cache needs a pinned host buffer: HostBuffer.for_device()")
         self.mode = ("staged" if self.is_cuda else "direct") if mode == "auto" else mode
+        self._block_bytes = self.layout.block_bytes
+        # (device view, host view, block dim) per copy of a run, built once: the slab and
+        # the host's [T, P, NB, E] view, or each physical tensor's [P, NB, E] pair
+        host_view = host.canonical
+        slab = cache.canonical
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = (
+            [(slab, host_view, 2)] if slab is not None else [
+                (dev, hst, 1)
+                for dev, hst in zip(cache.tensor_views, host_view.unbind(0), strict=True)
+            ]
+        )
 
     # -- public API -------------------------------------------------------------------
-    def save_to_host(self, ids: GroupedBlockIds | list[list[int]]) -> CopyStats:
+    def save_to_host(
+        self, ids: GroupedBlockIds | list[list[int]], *, trusted: bool = False
+    ) -> CopyStats:
         """d2h: device blocks -> host buffer (prefill side)."""
-        return self.copy(ids, Direction.D2H)
+        return self.copy(ids, Direction.D2H, trusted=trusted)
 
-    def load_to_device(self, ids: GroupedBlockIds | list[list[int]]) -> CopyStats:
+    def load_to_device(
+        self, ids: GroupedBlockIds | list[list[int]], *, trusted: bool = False
+    ) -> CopyStats:
         """h2d: host buffer -> device blocks (decode side)."""
-        return self.copy(ids, Direction.H2D)
+        return self.copy(ids, Direction.H2D, trusted=trusted)
 
-    def plan(self, ids: GroupedBlockIds | list[list[int]]) -> CopyPlan:
-        return plan_copy(self.layout, self._ids(ids), max_temp_bytes=self.max_temp_bytes)
+    def plan(self, ids: GroupedBlockIds | list[list[int]], *, trusted: bool = False) -> CopyPlan:
+        return plan_copy(self.layout, self._ids(ids, trusted), max_temp_bytes=self.max_temp_bytes)
 
-    def copy(self, ids: GroupedBlockIds | list[list[int]], direction: Direction) -> CopyStats:
-        grouped = self._ids(ids)  # validates everything before a byte moves
-        direction = Direction(direction)
+    def copy(
+        self, ids: GroupedBlockIds | list[list[int]], direction: Direction, *,
+        trusted: bool = False,
+    ) -> CopyStats:
+        """Copy a request's blocks; everything is validated before a byte moves.
+
+        ``trusted=True`` skips the per-id checks of list input (`GroupedBlockIds`): for
+        ids the engine's own allocator produced (vLLM's scheduler, a `BlockPool`).
+        """
+        if direction.__class__ is not Direction:
+            direction = Direction(direction)
+        grouped = self._ids(ids, trusted)
         plan = plan_copy(self.layout, grouped, max_temp_bytes=self.max_temp_bytes)
         return self.run(plan, direction)
 
     def run(self, plan: CopyPlan, direction: Direction) -> CopyStats:
         """Execute a plan (from `plan`, or `plan_copy` over validated ids)."""
-        if not plan.is_empty:
+        num_blocks = plan.num_blocks
+        if num_blocks:
             if self.mode == "direct":
-                self._direct(plan.runs, direction)
+                runs = plan.run_list
+                self._direct(runs, direction)
+                num_runs = len(runs)
             else:
                 self._staged(plan, direction)
+                num_runs = plan.num_runs
             self._sync()
-        return CopyStats(
-            direction, plan.num_blocks, plan.num_runs,
-            plan.num_chunks if self.mode == "staged" else 0, plan.nbytes,
-        )
+        else:
+            num_runs = 0
+        chunks = plan.num_chunks if self.mode == "staged" else 0
+        return CopyStats(direction, num_blocks, num_runs, chunks, num_blocks * self._block_bytes)
 
-    def copy_runs(self, runs: np.ndarray, direction: Direction) -> None:
+    def copy_runs(
+        self, runs: np.ndarray | list[tuple[int, int, int]], direction: Direction
+    ) -> None:
         """Direct copies of ``[R, 3]`` (src, dst, n) block runs (the decode pipeline's
         chunks); ids must be validated by the caller."""
-        self._direct(runs, direction)
+        self._direct(runs.tolist() if isinstance(runs, np.ndarray) else runs, direction)
         self._sync()
 
     # -- fused ----------------------------------------------------------------------------
-    def _direct(self, runs: np.ndarray, direction: Direction) -> None:
+    def _direct(self, runs: list[tuple[int, int, int]], direction: Direction) -> None:
         """One strided slice copy per run: over every tensor and plane at once when the
         cache is a slab, else per physical tensor."""
-        host = self.host.canonical
         nb = self.is_cuda
-        slab = self.cache.canonical
-        pairs = [(slab, host)] if slab is not None else list(
-            zip(self.cache.tensor_views, host.unbind(0), strict=True)
-        )
-        for s, d, n in runs.tolist():
-            for dev, hst in pairs:
-                if direction is Direction.D2H:
-                    hst[..., d : d + n, :].copy_(dev[..., s : s + n, :], non_blocking=nb)
-                else:
-                    dev[..., d : d + n, :].copy_(hst[..., s : s + n, :], non_blocking=nb)
+        pairs = self._pairs
+        if direction is Direction.D2H:
+            for s, d, n in runs:
+                for dev, hst, dim in pairs:
+                    hst.narrow(dim, d, n).copy_(dev.narrow(dim, s, n), non_blocking=nb)
+        else:
+            for s, d, n in runs:
+                for dev, hst, dim in pairs:
+                    dev.narrow(dim, d, n).copy_(hst.narrow(dim, s, n), non_blocking=nb)
 
     def _staged(self, plan: CopyPlan, direction: Direction) -> None:
         """Per chunk: one gather (d2h) or scatter (h2d) kernel per device tensor (one for
@@ -211,7 +239,7 @@ class CopyEngine:
                 dst[ti, pi].copy_(src[ti, pi], non_blocking=True)
 
     def _index(self, ids: np.ndarray) -> torch.Tensor:
-        idx = torch.from_numpy(np.ascontiguousarray(ids))
+        idx = torch.from_numpy(np.array(ids, dtype=np.int64))  # own, writable copy
         if self.is_cuda:
             idx = idx.pin_memory().to(self.cache.device, non_blocking=True)
         return idx
@@ -220,7 +248,9 @@ class CopyEngine:
         if self.is_cuda:
             torch.cuda.current_stream(self.cache.device).synchronize()
 
-    def _ids(self, ids: GroupedBlockIds | list[list[int]]) -> GroupedBlockIds:
+    def _ids(
+        self, ids: GroupedBlockIds | list[list[int]], trusted: bool = False
+    ) -> GroupedBlockIds:
         if isinstance(ids, GroupedBlockIds):
             if ids.num_blocks != self.layout.num_blocks or ids.num_groups != self.layout.num_groups:
                 raise LayoutMismatch(
@@ -228,7 +258,7 @@ class CopyEngine:
                     f"this engine's layout has {self.layout.num_groups} x {self.layout.num_blocks}"
                 )
             return ids
-        return GroupedBlockIds(ids, self.layout)
+        return GroupedBlockIds(ids, self.layout, trusted=trusted)
 
 
 def _split(view: torch.Tensor, dim: int, widths: list[int]) -> list[torch.Tensor]:

@@ -10,12 +10,11 @@ layer in tensor 3) are copied too; no layer reads them, so that costs bytes only
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+import itertools
 
 import numpy as np
 
-from kvstage.blocks import GroupedBlockIds
+from kvstage.blocks import NULL_BLOCK, GroupedBlockIds
 from kvstage.layout import KVLayout
 
 DEFAULT_MAX_TEMP_BYTES = 8 << 20
@@ -90,44 +89,110 @@ def split_runs(runs: np.ndarray, max_len: int) -> tuple[np.ndarray, np.ndarray]:
     return pieces, np.stack((bounds[:-1], bounds[1:]), axis=1)
 
 
-@dataclass(frozen=True)
+def _run_list(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(start, start, length)`` of sorted unique ids, in plain Python: for small
+    requests this beats numpy's per-call costs, and one contiguous run costs O(1)."""
+    n = len(ids)
+    if n == 0:
+        return []
+    start = prev = ids[0]
+    if ids[-1] - start + 1 == n:  # sorted and unique: the span equals the count
+        return [(start, start, n)]
+    runs = []
+    for i in itertools.islice(ids, 1, None):
+        if i != prev + 1:
+            runs.append((start, start, prev - start + 1))
+            start = i
+        prev = i
+    runs.append((start, start, prev - start + 1))
+    return runs
+
+
 class CopyPlan:
     """What one request moves between device and host, for every physical tensor.
 
-    ``block_ids``: sorted unique non-null ids, ``[num_blocks_moved]``.
-    ``runs``: ``[num_runs, 3]`` (src_start, dst_start, length).
-    ``pieces``/``chunks``: the runs cut under ``max_temp_bytes`` for staged gathers,
-    computed on first use (a direct copy, the CPU path, never needs them).
+    ``run_list``: the runs as ``(src_start, dst_start, length)`` tuples (what the engine
+    dispatches); ``runs``: the same as int64 ``[num_runs, 3]``.
+    ``block_ids``: sorted unique non-null ids, int64 ``[num_blocks]``.
+    ``pieces``/``chunks``: the runs cut under ``max_temp_bytes`` for staged gathers.
+    Everything but the runs is computed on first use (a direct copy, the CPU path, needs
+    only ``run_list``). Two plans are equal when they move the same blocks of the same
+    layout under the same budget and own the same slots.
     """
 
-    layout: KVLayout
-    block_ids: np.ndarray
-    runs: np.ndarray
-    chunk_blocks: int
-    max_temp_bytes: int
-    owned_slots: int
+    __slots__ = ("layout", "max_temp_bytes", "num_blocks", "_ids", "_run_list", "_runs",
+                 "_split", "_owned")
 
-    @functools.cached_property
-    def _split(self) -> tuple[np.ndarray, np.ndarray]:
-        return split_runs(self.runs, self.chunk_blocks)
+    def __init__(
+        self,
+        layout: KVLayout,
+        ids: GroupedBlockIds,
+        max_temp_bytes: int,
+        runs: list[tuple[int, int, int]] | np.ndarray,
+        num_blocks: int,
+    ) -> None:
+        self.layout = layout
+        self.max_temp_bytes = max_temp_bytes
+        self.num_blocks = num_blocks
+        self._ids = ids
+        if isinstance(runs, list):
+            self._run_list: list[tuple[int, int, int]] | None = runs
+            self._runs: np.ndarray | None = None
+        else:
+            self._run_list, self._runs = None, runs
+        self._split: tuple[np.ndarray, np.ndarray] | None = None
+        self._owned: int | None = None
+
+    @property
+    def run_list(self) -> list[tuple[int, int, int]]:
+        if self._run_list is None:
+            assert self._runs is not None
+            self._run_list = [(s, d, n) for s, d, n in self._runs.tolist()]
+        return self._run_list
+
+    @property
+    def runs(self) -> np.ndarray:
+        """int64 ``[num_runs, 3]`` (src_start, dst_start, length)."""
+        if self._runs is None:
+            self._runs = np.array(self._run_list, dtype=np.int64).reshape(-1, 3)
+        return self._runs
+
+    @property
+    def block_ids(self) -> np.ndarray:
+        return self._ids.unique_ids()
+
+    @property
+    def chunk_blocks(self) -> int:
+        """Blocks per staging chunk: max(1, budget // (block_bytes + 8))."""
+        return max(1, self.max_temp_bytes // (self.layout.block_bytes + INDEX_BYTES))
+
+    @property
+    def owned_slots(self) -> int:
+        """(tensor, block) slots some layer owns: a group's real ids count once per layer
+        the group has."""
+        if self._owned is None:
+            layers = np.repeat(np.asarray(self.layout.layers_per_group), self._ids.group_sizes)
+            self._owned = int(layers[self._ids.flat != NULL_BLOCK].sum())
+        return self._owned
+
+    def _pieces_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._split is None:
+            self._split = split_runs(self.runs, self.chunk_blocks)
+        return self._split
 
     @property
     def pieces(self) -> np.ndarray:
         """``[P, 4]`` (src_start, dst_start, length, offset_in_chunk)."""
-        return self._split[0]
+        return self._pieces_chunks()[0]
 
     @property
     def chunks(self) -> np.ndarray:
         """``[C, 2]`` (first_piece, end_piece) per staging chunk."""
-        return self._split[1]
-
-    @property
-    def num_blocks(self) -> int:
-        return int(self.block_ids.size)
+        return self._pieces_chunks()[1]
 
     @property
     def num_runs(self) -> int:
-        return int(self.runs.shape[0])
+        return len(self._run_list) if self._run_list is not None else int(self.runs.shape[0])
 
     @property
     def num_chunks(self) -> int:
@@ -175,6 +240,22 @@ class CopyPlan:
             "staging_bytes": self.staging_bytes,
         }
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CopyPlan):
+            return NotImplemented
+        return (
+            self.layout == other.layout
+            and self.max_temp_bytes == other.max_temp_bytes
+            and self.run_list == other.run_list
+            and self.owned_slots == other.owned_slots
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equal plans, different ids objects
+
+    def __repr__(self) -> str:
+        return (f"CopyPlan(blocks={self.num_blocks}, runs={self.num_runs}, "
+                f"bytes={self.nbytes}, max_temp_bytes={self.max_temp_bytes})")
+
 
 def plan_copy(
     layout: KVLayout, ids: GroupedBlockIds, *, max_temp_bytes: int = DEFAULT_MAX_TEMP_BYTES
@@ -183,28 +264,27 @@ def plan_copy(
 
     ``max_temp_bytes`` bounds the staging temporary of a gather: a chunk holds
     max(1, budget // (block_bytes + 8)) blocks (gemma-3-1b, 4 tensors x 16 KiB pages,
-    8 MiB -> 127 blocks), so peak extra memory is flat in the request size.
+    8 MiB -> 127 blocks), so peak extra memory is flat in the request size. The runs
+    come from the ids' sorted unique non-null ids (a by-product of validation): in
+    Python for small requests, with one numpy diff for large ones.
     """
-    if not isinstance(ids, GroupedBlockIds):
+    if type(ids) is not GroupedBlockIds and not isinstance(ids, GroupedBlockIds):
         raise TypeError(f"expected GroupedBlockIds, got {type(ids).__name__}")
     if ids.num_blocks != layout.num_blocks or ids.num_groups != layout.num_groups:
         raise ValueError(
             f"ids were validated for {ids.num_groups} groups x {ids.num_blocks} blocks, "
             f"the layout has {layout.num_groups} x {layout.num_blocks}; rebuild them for it"
         )
-    if not isinstance(max_temp_bytes, int) or max_temp_bytes <= 0:
+    if type(max_temp_bytes) is not int or max_temp_bytes <= 0:
         raise ValueError(f"max_temp_bytes must be a positive int, got {max_temp_bytes!r}")
-    block_ids = ids.unique_ids()
-    runs = _runs_of_sorted(block_ids) if block_ids.size else np.zeros((0, 3), np.int64)
-    chunk_blocks = max(1, max_temp_bytes // (layout.block_bytes + INDEX_BYTES))
-    # a group's real ids are owned once per layer the group has
-    layers = np.repeat(np.asarray(layout.layers_per_group), ids.group_sizes)
-    owned = int(layers[ids.flat != 0].sum())
-    return CopyPlan(
-        layout=layout,
-        block_ids=block_ids,
-        runs=runs,
-        chunk_blocks=chunk_blocks,
-        max_temp_bytes=max_temp_bytes,
-        owned_slots=owned,
-    )
+    sorted_ids = ids.sorted_ids()
+    num_blocks = len(sorted_ids)
+    runs: list[tuple[int, int, int]] | np.ndarray
+    if isinstance(sorted_ids, list):
+        runs = _run_list(sorted_ids)
+    elif num_blocks and int(sorted_ids[-1]) - int(sorted_ids[0]) + 1 == num_blocks:
+        first = int(sorted_ids[0])
+        runs = [(first, first, num_blocks)]
+    else:
+        runs = _runs_of_sorted(sorted_ids) if num_blocks else []
+    return CopyPlan(layout, ids, max_temp_bytes, runs, num_blocks)

@@ -44,7 +44,8 @@ def test_timing_rows_cover_every_strategy_and_verify(quick: dict[str, Any]) -> N
     keys = {(r["groups"], r["direction"], r["strategy"]) for r in rows}
     for g in (1, 2, 3, 6):
         for d in ("d2h", "h2d"):
-            for s in ("per_group", "coalesced", "fused", "memcpy", "fused plan"):
+            for s in ("per_group", "coalesced", "fused", "memcpy", "fused plan",
+                      "fused copies"):
                 assert (g, d, s) in keys
     for r in rows:
         assert 0 < r["min_us"] <= r["median_us"]
@@ -54,8 +55,41 @@ def test_timing_rows_cover_every_strategy_and_verify(quick: dict[str, Any]) -> N
             assert r["verified"] is True  # destination blocks equal the source blocks
         if r["strategy"] in ("per_group", "coalesced"):  # vLLM moves ids x layers x page
             assert r["nbytes"] == r["blocks"] * NUM_LAYERS * 32768
-        if r["strategy"] in ("fused", "memcpy"):
+        if r["strategy"] in ("fused", "memcpy", "fused copies"):
             assert r["nbytes"] == r["min_bytes"]
+        if r["strategy"] == "fused copies":  # timed, not a strategy: nothing to verify
+            assert r["verified"] is None and r["descriptors"] is None
+
+
+def test_quick_prints_the_overhead_column(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "copy", "--quick", "--groups", "2", "--direction", "h2d",
+            "--strategies", "fused", "--iters", "3"]
+    assert main(argv) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert "fused copies us" in header and header.rstrip().endswith("overhead us")
+
+
+def test_floor_steps_and_baseline(tmp_path: Path) -> None:
+    path = tmp_path / "floor.json"
+    src = str(Path(__file__).resolve().parents[2] / "src")  # this checkout as the baseline
+    argv = ["bench", "copy", "--floor", "--floor-ids", "9", "--iters", "3", "--warmup", "0",
+            "--baseline-src", src, "--json", str(path)]
+    assert main(argv) == 0
+    rows = {r["step"]: r for r in json.loads(path.read_text())["floor"]}
+    assert set(rows) == {
+        "GroupedBlockIds", "GroupedBlockIds trusted", "plan_copy", "plan_copy scattered",
+        "load_to_device", "load_to_device trusted", "copies alone", "overhead",
+        "overhead trusted",
+    }
+    assert rows["plan_copy"]["before_us"] > 0 and rows["plan_copy"]["after_us"] > 0
+    assert rows["load_to_device trusted"]["before_us"] is None  # only timed for this one
+    assert all(r["ids"] == 9 and r["bytes"] == 9 * 4 * 16384 for r in rows.values())
+
+
+def test_floor_flags_need_floor(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "copy", "--floor-ids", "9"])
+    assert exc.value.code == 2 and "need --floor" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 6])

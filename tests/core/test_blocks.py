@@ -127,11 +127,74 @@ def test_null_id_may_repeat_across_groups() -> None:
         ([np.array([1.0]), []], TypeError, "dtype float64"),
         ("12", TypeError, "sequence of per-group id lists"),
         (7, TypeError, "sequence of per-group id lists"),
+        # careless input (issue 13): each of these was accepted before
+        ([1, 2], TypeError, r"one list per KV cache group, got a flat list of ids \[1, 2\]"),
+        ([[1], 2], TypeError, "got a flat list of ids"),
+        ([[[1, 2]], []], TypeError, r"group 0 holds a nested list \[\[1, 2\]\]"),
+        ([[1, [2, 3]], []], TypeError, "group 0 holds a nested list"),
+        ([[1, True], []], TypeError, "group 0 block ids must be ints, got a bool in"),
+        ([[], [False]], TypeError, "group 1 block ids must be ints, got a bool"),
+        ([np.array([[1, 2]]), []], TypeError, r"flat 1-D list of ints, got an array of shape"),
+        ([np.int64(3), []], TypeError, "got a flat list of ids"),
+        ([{1, 2}, []], TypeError, "group 0 block ids must be ints in a list, got set"),
     ],
 )
 def test_grouped_ids_errors(groups: object, exc: type[Exception], match: str) -> None:
     with pytest.raises(exc, match=match):
         GroupedBlockIds(groups, LAYOUT)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [5, 300])  # below and above SMALL_IDS: both checks
+def test_grouped_ids_errors_large_and_small(n: int) -> None:
+    lay = synthetic_layout(num_layers=4, num_groups=2, num_blocks=1024, head_size=8)
+    ids = list(range(1, n + 1))
+    cases = [
+        ([ids + [True], []], TypeError, "got a bool"),
+        ([ids + [1.0], []], TypeError, "must be ints"),
+        ([ids, [n]], ValueError, rf"block id {n} appears in groups \[0, 1\]"),
+        ([ids + [1024], []], ValueError, "block id 1024 is out of range"),
+        ([[-1, *ids], []], ValueError, "block id -1 is negative"),
+        ([ids + [2**70], []], TypeError, "must be ints"),
+    ]
+    for groups, exc, match in cases:
+        with pytest.raises(exc, match=match):
+            GroupedBlockIds(groups, lay)
+
+
+@pytest.mark.parametrize("n", [0, 7, 255, 256, 257, 2000])
+def test_grouped_ids_quick_and_full_check_agree(n: int) -> None:
+    lay = synthetic_layout(num_layers=4, num_groups=3, num_blocks=4096, head_size=8)
+    rng = np.random.default_rng(n)
+    flat = rng.permutation(np.arange(1, 4096))[:n].tolist()
+    groups = [[0, 0, *flat[: n // 3]], flat[n // 3 : n // 2], flat[n // 2 :]]
+    quick = GroupedBlockIds(groups, lay)  # lists of Python ints: the quick check
+    full = GroupedBlockIds([np.array(g, dtype=np.int64) for g in groups], lay)  # numpy
+    trusted = GroupedBlockIds(groups, lay, trusted=True)
+    for ids in (quick, full, trusted):
+        assert ids.flat.tolist() == [b for g in groups for b in g]
+        assert ids.group_sizes.tolist() == [len(g) for g in groups]
+        assert ids.unique_ids().tolist() == sorted(flat)
+        assert list(ids.sorted_ids()) == sorted(flat)
+        assert len(ids) == n + 2 and ids.groups == groups
+        assert not ids.flat.flags.writeable and not ids.unique_ids().flags.writeable
+
+
+def test_grouped_ids_numpy_ints_in_lists_are_ids() -> None:
+    ids = GroupedBlockIds([[np.int64(3), np.int32(4)], [5]], LAYOUT)
+    assert ids.unique_ids().tolist() == [3, 4, 5]
+
+
+def test_trusted_skips_per_id_checks_only() -> None:
+    # the ids are taken as they are (a repeated id is moved once) ...
+    ids = GroupedBlockIds([[3, 4, 3], []], LAYOUT, trusted=True)
+    assert ids.unique_ids().tolist() == [3, 4]
+    # ... but the shape of the input is still checked
+    with pytest.raises(ValueError, match="expected 2 block-id lists"):
+        GroupedBlockIds([[1]], LAYOUT, trusted=True)
+    with pytest.raises(TypeError, match="got a flat list of ids"):
+        GroupedBlockIds([1, 2], LAYOUT, trusted=True)
+    with pytest.raises(TypeError, match="must be ints"):
+        GroupedBlockIds([np.array([1.5]), []], LAYOUT, trusted=True)
 
 
 # -- sliding-window clip ----------------------------------------------------------------------

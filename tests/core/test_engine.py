@@ -135,6 +135,39 @@ def test_baselines_do_copy_null_block() -> None:
         assert torch.equal(after[:, :, 0], before[:, :, 0]) is not touched
 
 
+@pytest.mark.parametrize("direction", [Direction.D2H, Direction.H2D], ids=lambda d: d.value)
+def test_trusted_copy_equals_checked_copy(
+    pair: tuple[KVCache, HostBuffer], direction: Direction
+) -> None:
+    cache, host = pair
+    groups = request_ids(cache.layout)
+    src, dst = (cache, host) if direction is Direction.D2H else (host, cache)
+    src_before, dst_before = as_bytes(src.canonical), as_bytes(dst.canonical)
+    engine = CopyEngine(cache, host)
+    try:
+        stats = engine.copy(groups, direction, trusted=True)
+        check_invariants(
+            src_before=src_before, src_after=as_bytes(src.canonical),
+            dst_before=dst_before, dst_after=as_bytes(dst.canonical),
+            ids=[b for g in groups for b in g], null_may_change=False,
+        )
+        assert stats == engine.copy(groups, direction)  # same work, same stats
+    finally:
+        _restore(dst.canonical, dst_before)
+
+
+def test_trusted_still_checks_the_shape() -> None:
+    cache, host = make_pair(KVCache(ERR_LAYOUT), HostBuffer(ERR_LAYOUT), seed=14)
+    dev, hst = as_bytes(cache.canonical), as_bytes(host.canonical)
+    engine = CopyEngine(cache, host)
+    with pytest.raises(ValueError, match="expected 7 block-id lists"):
+        engine.load_to_device([[1, 2]], trusted=True)
+    with pytest.raises(TypeError, match="got a flat list of ids"):
+        engine.save_to_host([1, 2, 3, 4, 5, 6, 7], trusted=True)
+    assert torch.equal(as_bytes(cache.canonical), dev)
+    assert torch.equal(as_bytes(host.canonical), hst)
+
+
 def test_engine_default_mode_on_cpu_is_direct() -> None:
     lay = synthetic_layout(num_layers=2, num_groups=1, num_blocks=4, head_size=8)
     engine = CopyEngine(KVCache(lay), HostBuffer(lay))
@@ -226,6 +259,9 @@ BAD_IDS = [
     ("float id", _with(1, [3.0]), TypeError, "group 1 block ids must be ints"),
     ("str id", _with(1, ["3"]), TypeError, "group 1 block ids must be ints"),
     ("none id", _with(1, [None]), TypeError, "group 1 block ids must be ints"),
+    ("flat list", [1, 2, 3, 4, 5, 6, 7], TypeError, "got a flat list of ids"),
+    ("nested list", _with(0, [1, [2]]), TypeError, "group 0 holds a nested list"),
+    ("bool id", _with(6, [4, True]), TypeError, "group 6 block ids must be ints, got a bool"),
     ("other layout", GroupedBlockIds([[1]], preset("llama-3.1-8b", num_blocks=16)), ValueError,
      r"ids validated for 1 groups x 16 blocks; this engine's layout has 7 x 16"),
     ("other num_blocks", GroupedBlockIds(OK, preset("gemma-3-1b", num_blocks=32)), ValueError,
@@ -277,6 +313,7 @@ def test_unknown_baseline_strategy_is_refused() -> None:
         ({"max_temp_bytes": -8}, "max_temp_bytes must be a positive int, got -8"),
         ({"max_temp_bytes": 1.5e6}, "max_temp_bytes must be a positive int, got 1500000.0"),
         ({"max_temp_bytes": "8M"}, "max_temp_bytes must be a positive int, got '8M'"),
+        ({"max_temp_bytes": True}, "max_temp_bytes must be a positive int, got True"),
     ],
 )
 def test_bad_engine_arguments(kwargs: dict[str, Any], match: str) -> None:

@@ -190,3 +190,57 @@ def test_coalesced_peak_grows_with_request(big_pair: tuple[KVCache, HostBuffer],
         peaks.append(counter.peak_temp_bytes)
     assert all(a < b for a, b in zip(peaks, peaks[1:], strict=False)), peaks
     assert peaks[-1] >= 10_000 * 16 > BUDGET * 100
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+@pytest.mark.parametrize("direction", list(Direction), ids=lambda d: d.value)
+def test_fused_direct_issues_one_copy_per_run_and_nothing_else(
+    direction: Direction, trusted: bool
+) -> None:
+    engine = _engine(16, 3, "fused")
+    ids = [1, 2, 3, 9, 10, 20, 30, 31, 32, 33, 50]  # 5 runs
+    groups = [ids[0::3], ids[1::3], ids[2::3]]
+    with OpCounter() as counter:
+        engine.copy(groups, direction, trusted=trusted)
+    # per run: two views (aten.slice, from narrow) and one copy_; no index upload, no
+    # temporary, no other op
+    assert dict(counter.counts) == {"copy_": 5, "slice": 10}
+    assert counter.total_alloc_bytes == 0
+
+
+def test_fused_direct_per_tensor_when_not_a_slab() -> None:
+    lay = synthetic_layout(num_layers=4, num_groups=2, num_blocks=64, num_kv_heads=1,
+                           head_size=8)
+    tensors = [torch.zeros(lay.num_blocks, lay.plane_elems, dtype=lay.torch_dtype)
+               for _ in range(lay.num_tensors)]
+    engine = CopyEngine(KVCache.wrap(lay, tensors), HostBuffer(lay))
+    with OpCounter() as counter:
+        engine.copy([[1, 2, 3], [7]], Direction.H2D)
+    # 2 runs x 2 separate physical tensors
+    assert dict(counter.counts) == {"copy_": 4, "slice": 8}
+
+
+# a real call for every name in DATA_OPS: a name no call can produce would make
+# `data_ops` silently under-count
+_X = torch.arange(24.0).reshape(6, 4)
+_I = torch.tensor([0, 2])
+DATA_OP_CALLS = {
+    "copy_": lambda: torch.empty(6, 4).copy_(_X),
+    "_to_copy": lambda: _X.to(torch.float64),
+    "index": lambda: _X[_I],
+    "index_put_": lambda: _X.clone().__setitem__(_I, 0.0),
+    "index_select": lambda: _X.index_select(0, _I),
+    "index_copy_": lambda: _X.clone().index_copy_(0, _I, _X[:2]),
+    "index_copy": lambda: torch.index_copy(_X, 0, _I, _X[:2]),
+    "gather": lambda: torch.gather(_X, 0, torch.zeros(2, 4, dtype=torch.long)),
+    "scatter_": lambda: _X.clone().scatter_(0, torch.zeros(2, 4, dtype=torch.long), _X[:2]),
+    "clone": lambda: _X.t().contiguous(),  # contiguous() reaches dispatch as clone
+}
+
+
+def test_every_data_op_name_is_reachable() -> None:
+    assert set(DATA_OP_CALLS) == DATA_OPS
+    for name, call in DATA_OP_CALLS.items():
+        with OpCounter() as counter:
+            call()
+        assert counter.counts[name] >= 1, (name, dict(counter.counts))

@@ -159,3 +159,42 @@ def test_plan_errors() -> None:
     for bad in (0, -1, 2.5):
         with pytest.raises(ValueError, match="max_temp_bytes must be a positive int"):
             plan_copy(GEMMA, ids, max_temp_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_plan_bool_budget_refused() -> None:
+    ids = GroupedBlockIds([[1]] + [[]] * 6, GEMMA)
+    with pytest.raises(ValueError, match="max_temp_bytes must be a positive int, got True"):
+        plan_copy(GEMMA, ids, max_temp_bytes=True)
+
+
+@pytest.mark.parametrize("n", [1, 5, 64, 255, 256, 300, 5000])
+def test_runs_python_and_numpy_paths_agree(n: int) -> None:
+    lay = synthetic_layout(num_layers=2, num_groups=1, num_blocks=20_000, head_size=8)
+    rng = np.random.default_rng(n)
+    ids = rng.choice(np.arange(1, 20_000), size=n, replace=False)
+    ids[: n // 2] = np.arange(100, 100 + n // 2)  # one long run among scattered ids
+    ids = np.unique(ids)
+    want = find_runs(ids, ids).tolist()
+    for groups in ([ids.tolist()], [ids]):  # Python ints (sets, loops) and numpy (diff)
+        plan = plan_copy(lay, GroupedBlockIds(groups, lay))
+        assert plan.runs.tolist() == want
+        assert [list(r) for r in plan.run_list] == want
+        assert plan.num_runs == len(want) and plan.num_blocks == ids.size
+        assert plan.block_ids.tolist() == ids.tolist()
+
+
+def test_plan_equality_is_by_content() -> None:
+    a = plan_copy(GEMMA, GroupedBlockIds(GEMMA_IDS, GEMMA))
+    b = plan_copy(GEMMA, GroupedBlockIds([np.array(g) for g in GEMMA_IDS], GEMMA))
+    assert a == b and (a != b) is False  # numpy arrays inside never reach a bare ==
+    assert a != plan_copy(GEMMA, GroupedBlockIds(GEMMA_IDS, GEMMA), max_temp_bytes=1 << 20)
+    moved = [list(GEMMA_IDS[0]), *GEMMA_IDS[1:6], [12, 13, 14]]  # block 15 not moved
+    assert a != plan_copy(GEMMA, GroupedBlockIds(moved, GEMMA))
+    # same blocks, but group 4 (3 layers) holds them instead of group 6 (4): owned differs
+    regrouped = [g if k not in (4, 6) else [] for k, g in enumerate(GEMMA_IDS)]
+    regrouped[4] = [7, 8, 12, 13, 14, 15]
+    assert plan_copy(GEMMA, GroupedBlockIds(regrouped, GEMMA)).runs.tolist() == a.runs.tolist()
+    assert plan_copy(GEMMA, GroupedBlockIds(regrouped, GEMMA)) != a
+    assert a != "plan" and "CopyPlan(blocks=15, runs=1" in repr(a)
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(a)

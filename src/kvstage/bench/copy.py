@@ -18,17 +18,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvstage.bench.copy_counts import (
+    count_ops,
+    make_variant,
+    measure_memory,
+    print_count_tables,
+)
+from kvstage.bench.floor import DEFAULT_IDS as DEFAULT_FLOOR_IDS
+from kvstage.bench.floor import run_floor
 from kvstage.bench.report import (
     Column,
     Progress,
-    cuda_peak_bytes,
     format_bytes,
     machine_info,
     make_timer,
     pivot,
     plot_lines,
     print_table,
-    profiler_counts,
     ratio,
     summarize_ns,
     time_interleaved,
@@ -40,12 +46,9 @@ from kvstage.engine import CopyEngine, Direction
 from kvstage.layout import KVLayout, cdiv
 from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, plan_copy
 from kvstage.presets import PRESETS, preset, synthetic_layout
-from kvstage.testing.baselines import BaselineEngine, make_engine
-from kvstage.testing.opcount import OpCounter
+from kvstage.testing.baselines import BaselineEngine
 
 STRATEGIES = ("per_group", "coalesced", "fused")
-# the ops both counters must agree on (profiler outermost aten ops vs OpCounter)
-COMPARED_OPS = ("copy_", "index", "index_put_", "index_select", "index_copy_")
 DEFAULT_GROUPS = [1, 2, 3, 6]
 DEFAULT_PROMPTS = [512, 2048, 8192]
 
@@ -91,6 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--threads", type=_positive_int, default=None,
       help="torch intra-op threads (default: torch's; 1 with --quick); 1 is steadier "
       "on a shared machine")
+    a("--floor", action="store_true",
+      help="per-request CPU floor instead: validate, plan, copy steps (bench/floor.py)")
+    a("--floor-ids", type=_positive_int, nargs="+", default=None,
+      help=f"ids per request for --floor (default {' '.join(map(str, DEFAULT_FLOOR_IDS))})")
+    a("--baseline-src", default=None, metavar="DIR",
+      help="with --floor: also time the kvstage package under DIR (an older checkout)")
     parser.set_defaults(_parser=parser)
 
 
@@ -232,7 +241,7 @@ class Bench:
         for strategy in args.strategies:
             for h in hosts if strategy == "fused" else hosts[:1]:
                 name = f"fused[{h.value}]" if strategy == "fused" and multi else strategy
-                engine = _engine(self.cache, self.hosts[h], strategy, args.max_temp_bytes,
+                engine = make_variant(self.cache, self.hosts[h], strategy, args.max_temp_bytes,
                                  args.fused_mode)
                 self.variants[name] = (engine, h)
         # the memcpy reference: one contiguous copy_ of fused's bytes, host <-> device
@@ -243,8 +252,22 @@ class Bench:
         self.host_flat = torch.ones(n, dtype=dtype, pin_memory=self.cuda)
 
     def request(self, name: str, direction: Direction) -> Callable[[], Any]:
-        engine = self.variants[name][0]
-        return lambda: engine.copy(self.ids, direction)
+        """One request as a caller makes it: per-group id lists, validated every call."""
+        engine, groups = self.variants[name][0], self.case.groups
+        return lambda: engine.copy(groups, direction)
+
+    def copies(self, direction: Direction) -> Callable[[], Any]:
+        """fused's copies alone: one ``copy_`` per run between views sliced beforehand
+        (no validation, planning or slicing), into the first fused variant's host."""
+        host = next((self.hosts[h] for n, (_, h) in self.variants.items()
+                     if n.startswith("fused")), next(iter(self.hosts.values())))
+        dev, hst = self.cache.canonical, host.canonical
+        assert dev is not None  # the bench allocates kvstage's own slab
+        pairs = [(hst.narrow(2, d, n), dev.narrow(2, s, n)) for s, d, n in self.plan.run_list]
+        if direction is Direction.H2D:
+            pairs = [(b, a) for a, b in pairs]
+        nb = self.cuda
+        return lambda: [dst.copy_(src, non_blocking=nb) for dst, src in pairs]
 
     def memcpy(self, direction: Direction) -> Callable[[], Any]:
         src, dst = self.dev_flat, self.host_flat
@@ -281,9 +304,11 @@ def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> l
     fns = {name: bench.request(name, direction) for name in bench.variants}
     fns["memcpy"] = bench.memcpy(direction)
     fns["fused plan"] = lambda: plan_copy(layout, ids, max_temp_bytes=args.max_temp_bytes)
+    if any(name.startswith("fused") for name in bench.variants):
+        fns["fused copies"] = bench.copies(direction)
     verified = {name: bench.verify(name, direction) for name in bench.variants}
     nbytes = {name: bench.variants[name][0].copy(ids, direction).nbytes for name in bench.variants}
-    nbytes["memcpy"] = plan.nbytes
+    nbytes["memcpy"] = nbytes["fused copies"] = plan.nbytes
     timers = dict.fromkeys(fns, make_timer(cuda=bench.cuda))
     timers["fused plan"] = make_timer(cuda=False)  # host-only numpy work: wall clock
     samples = time_interleaved(fns, timers, warmup=args.warmup, iters=args.iters)
@@ -306,6 +331,14 @@ def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> l
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.floor or args.floor_ids or args.baseline_src:
+        if not args.floor:
+            args._parser.error("--floor-ids/--baseline-src need --floor")
+        args.floor_ids = args.floor_ids or DEFAULT_FLOOR_IDS
+        args.iters = args.iters or (20 if args.quick else 2000)
+        args.warmup = (2 if args.quick else 200) if args.warmup is None else args.warmup
+        torch.set_num_threads(args.threads or 1)
+        return run_floor(args)
     _resolve(args)
     # --quick pins one thread: with the cores oversubscribed, torch's OpenMP barriers can
     # stall an op for milliseconds (measured: 8 ms per index op with 2 threads, load 3)
@@ -349,7 +382,7 @@ def _plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
     series: dict[tuple[str, str], Counter[float]] = {}
     for r in rows:
-        if r["strategy"] == "fused plan":
+        if r["strategy"] in ("fused plan", "fused copies"):
             continue
         label = r["strategy"] if args.preset else f"{r['strategy']} {r['num_layers']}L"
         series.setdefault((r["direction"], label), Counter())[r[xkey]] = r["median_us"]
@@ -358,97 +391,6 @@ def _plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         panels.setdefault(direction, {})[label] = (xs, [points[x] for x in xs])
     plot_lines(args.plot, panels, xlabel=xkey.replace("_", " "), ylabel="median latency (us)",
                title=f"kvstage bench copy ({args.device}, {args.ids} ids)", logy=True)
-
-
-
-
-def _engine(cache: KVCache, host: HostBuffer, strategy: str, max_temp_bytes: int,
-            mode: str) -> CopyEngine | BaselineEngine:
-    options: dict[str, Any] = {"max_temp_bytes": max_temp_bytes, "mode": mode}
-    return make_engine(cache, host, strategy, **(options if strategy == "fused" else {}))
-
-
-# -- op counts and memory -------------------------------------------------------------
-def _expected_ops(
-    bench: Bench, engine: CopyEngine | BaselineEngine, direction: Direction
-) -> dict[str, int]:
-    """Exact device ops per request: per_group G x L x k, coalesced L x k, fused one op
-    set per run (direct) or per chunk plus one DMA per run piece (staged); k = 2
-    (index, index_put_) as counted here (CUDA's .to() copy is a separate _to_copy)."""
-    layout, plan = bench.case.layout, bench.plan
-    out = dict.fromkeys(COMPARED_OPS, 0)
-    strategy = engine.strategy.value if isinstance(engine, BaselineEngine) else "fused"
-    if not isinstance(engine, CopyEngine):
-        calls = sum(1 for g in bench.case.groups if g) if strategy == "per_group" else 1
-        out["index"] = out["index_put_"] = calls * layout.num_layers
-    elif engine.mode == "direct":
-        out["copy_"] = plan.num_runs
-    else:
-        per_piece = 1 if engine.host.block_major or not bench.cuda else (
-            layout.num_tensors * layout.num_planes)
-        out["copy_"] = int(plan.pieces.shape[0]) * per_piece
-        out["index_select" if direction is Direction.D2H else "index_copy_"] = plan.num_chunks
-    return out
-
-
-def count_ops(bench: Bench, direction: Direction) -> list[dict[str, Any]]:
-    """One request per variant under OpCounter and one under torch.profiler."""
-    rows = []
-    for name, (engine, _host) in bench.variants.items():
-        fn = bench.request(name, direction)
-        fn()  # warm: lazy initialisation stays out of the counts
-        bench.sync()
-        with OpCounter() as counter:
-            fn()
-            bench.sync()
-        prof = profiler_counts(fn, cuda=bench.cuda)
-        expected = _expected_ops(bench, engine, direction)
-        device_ops = sorted(k for k in prof if k.startswith(("Memcpy", "Memset", "CUDA")))
-        for op in [*COMPARED_OPS, "lift_fresh", "_to_copy", "data ops", *device_ops]:
-            if op in device_ops:
-                p, o = prof[op], None
-            elif op == "data ops":  # every byte-moving op the OpCounter saw
-                p, o = None, counter.data_ops
-            else:
-                p, o = prof.get(op, 0), counter.counts.get(op, 0)
-            exp = expected.get(op)
-            rows.append({
-                "case": bench.case.label, **bench.case.meta, "direction": direction.value,
-                "strategy": name, "op": op, "profiler": p, "opcounter": o, "expected": exp,
-                "agree": (p == o) if op in COMPARED_OPS else None,
-                "matches_expected": None if exp is None else (p == exp and o == exp),
-            })
-    return rows
-
-
-def measure_memory(bench: Bench, direction: Direction, args: argparse.Namespace
-                   ) -> list[dict[str, Any]]:
-    """Peak temporary bytes of one request: the baselines, fused staged and fused direct."""
-    layout = bench.case.layout
-    host = bench.hosts[HostLayout(args.host_layout[0])]
-    variants = [(s, "auto") for s in ("per_group", "coalesced") if s in args.strategies]
-    variants += [("fused", "staged"), ("fused", "direct")]
-    bound = args.max_temp_bytes + layout.block_bytes  # a chunk always holds >= 1 block
-    rows = []
-    for strategy, mode in variants:
-        engine = _engine(bench.cache, host, strategy, args.max_temp_bytes, mode)
-        fn = lambda e=engine: e.copy(bench.ids, direction)  # noqa: E731
-        fn()
-        bench.sync()
-        with OpCounter() as counter:
-            fn()
-            bench.sync()
-        staged = mode == "staged"
-        rows.append({
-            "case": bench.case.label, **bench.case.meta, "direction": direction.value,
-            "strategy": f"fused {mode}" if strategy == "fused" else strategy,
-            "peak_temp_bytes": counter.peak_temp_bytes,
-            "cuda_peak_bytes": cuda_peak_bytes(fn) if bench.cuda else None,
-            "request_bytes": bench.plan.nbytes,
-            "budget": args.max_temp_bytes if staged else None,
-            "bounded": counter.peak_temp_bytes <= bound if staged else None,
-        })
-    return rows
 
 
 # -- tables ---------------------------------------------------------------------------
@@ -470,6 +412,9 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
             # planning is numpy on the host; a caller can overlap it (estimate: medians)
             exec_us = r[fused] - r["fused plan"] if fused in r and "fused plan" in r else None
             r["x_exec"] = ratio(r.get("coalesced"), exec_us)
+            # validation + planning + dispatch: what fused costs beyond its copy_ calls
+            if fused in r and "fused copies" in r:
+                r["overhead"] = r[fused] - r["fused copies"]
         present = list(dict.fromkeys(r["strategy"] for r in timings))
         cols = [case, Column("direction", "dir", align="<")]
         cols += [Column(s, f"{s} us", _us) for s in present]
@@ -479,6 +424,8 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
             cols += [Column("x_fused", "fused vs coalesced", "{:.1f}x"),
                      Column("x_exec", "excl. plan", "{:.1f}x")]
         cols.append(Column("bw", "fused % memcpy BW", "{:.0%}"))
+        if "fused copies" in present:
+            cols.append(Column("overhead", "overhead us", _us))
         note = f"; fused = {fused}" if fused != "fused" else ""
         title = f"Latency per request, median of {args.iters} ({args.device}, {args.ids} ids{note})"
         print_table(summary, cols, markdown=md, title=title)
@@ -489,40 +436,4 @@ def print_tables(args: argparse.Namespace, timings: list[dict[str, Any]],
                   Column("verified", "ok")]
         print_table(timings, [case, Column("direction", "dir", align="<"), *detail], markdown=md,
                     title="All timings (GB/s = bytes moved / median)")
-    if ops:
-        shown = {r["op"] for r in ops if r["profiler"] or r["opcounter"] or r["expected"]}
-        wide = pivot([r for r in ops if r["op"] in shown], ("groups", "direction", "op"),
-                       "strategy", lambda r: "/".join("-" if v is None else str(v) for v in (
-                           r["profiler"], r["opcounter"])))
-        for p in wide:
-            flags = [r for r in ops if (r["groups"], r["direction"], r["op"]) == (
-                p["groups"], p["direction"], p["op"])]
-            agree = [r["agree"] for r in flags if r["agree"] is not None]
-            exp = [r["matches_expected"] for r in flags if r["matches_expected"] is not None]
-            p["agree"] = ("yes" if all(agree) else "NO") if agree else "n/a"
-            p["expected"] = ("yes" if all(exp) else "NO") if exp else "n/a"
-        names = list(dict.fromkeys(r["strategy"] for r in ops))
-        cols = [Column("groups"), Column("direction", "dir", align="<"),
-                Column("op", "operation", align="<"), *(Column(n) for n in names),
-                Column("agree", "profiler = OpCounter"), Column("expected", "= expected")]
-        print_table(wide, cols, markdown=md,
-                    title="Device ops per request (torch.profiler / kvstage OpCounter)")
-    if memory:
-        wide = pivot(memory, ("case", "direction", "blocks_per_group", "request_bytes"),
-                       "strategy", lambda r: r["peak_temp_bytes"])
-        for p in wide:
-            p["bounded"] = all(r["bounded"] for r in memory if r["bounded"] is not None and (
-                r["case"], r["direction"]) == (p["case"], p["direction"]))
-        strategies = list(dict.fromkeys(r["strategy"] for r in memory))
-        cols = [case, Column("direction", "dir", align="<"),
-                Column("blocks_per_group", "blocks per group", align="<"),
-                Column("request_bytes", "request", format_bytes),
-                *(Column(s, fmt=format_bytes) for s in strategies),
-                Column("bounded", f"staged <= {format_bytes(args.max_temp_bytes)} + 1 block")]
-        print_table(wide, cols, markdown=md, title="Peak temporary bytes per request (OpCounter)")
-        if args.device == "cuda":
-            cuda_cols = [case, Column("direction", "dir", align="<"),
-                         *(Column(s, fmt=format_bytes) for s in strategies)]
-            print_table(pivot(memory, ("case", "direction"), "strategy",
-                               lambda r: r["cuda_peak_bytes"]), cuda_cols, markdown=md,
-                        title="Peak CUDA allocator bytes per request (max_memory_allocated)")
+    print_count_tables(args, ops, memory)

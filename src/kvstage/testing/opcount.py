@@ -16,22 +16,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-# aten ops that move KV bytes (or upload an index for a gather)
+# aten ops that move KV bytes (or upload an index for a gather), as a TorchDispatchMode
+# sees them: only ops that reach the Python dispatch key, so no composite names
+# (``contiguous`` arrives as ``clone``, ``x[i] = v`` as ``index_put_``) and no kernel
+# internals (``_index_put_impl_``, ``_copy_from``). tests/core/test_opcount.py checks that
+# a real call produces every name here.
 DATA_OPS = frozenset(
     {
         "copy_",
         "_to_copy",
         "index",
         "index_put_",
-        "_index_put_impl_",
         "index_select",
         "index_copy_",
         "index_copy",
         "gather",
         "scatter_",
         "clone",
-        "contiguous",
-        "_copy_from",
     }
 )
 
