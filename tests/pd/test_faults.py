@@ -110,7 +110,8 @@ def wait_prefill_free(addr: tuple[str, int], timeout_s: float = LEASE_S + 5) -> 
 def assert_next_request_works(decode: DecodeWorker, addr: tuple[str, int], rid: str) -> None:
     set_faults(decode)
     done = prefill_request(addr, rid, tokens=333, seed=77)
-    res = finish_read(decode, decode.start(rid, addr, done.block_ids))
+    res = finish_read(decode, decode.start(rid, addr, done.block_ids,
+                                          capability=done.capability))
     assert res.ok, res.reason
     assert verify_request(decode.cache, res.local_block_ids, 77) == []
     decode.finish(rid)
@@ -123,7 +124,8 @@ def test_read_failure(prefill: PrefillThread, decode: DecodeWorker) -> None:
     addr = prefill.address
     done = prefill_request(addr, "r1")
     set_faults(decode, fail_reads=True)
-    res = finish_read(decode, decode.start("r1", addr, done.block_ids))
+    res = finish_read(decode, decode.start("r1", addr, done.block_ids,
+                                          capability=done.capability))
     assert res.status == "failed"
     assert res.code == READ_FAILED and "fail_reads=True" in res.reason  # the transport's words
     assert_decode_clean(decode)  # local blocks freed, handle released, h2d skipped
@@ -137,7 +139,8 @@ def test_notification_lost(prefill: PrefillThread, decode: DecodeWorker) -> None
     addr = prefill.address
     done = prefill_request(addr, "r1", seed=5)
     set_faults(decode, drop_notifs=True)
-    res = finish_read(decode, decode.start("r1", addr, done.block_ids))
+    res = finish_read(decode, decode.start("r1", addr, done.block_ids,
+                                          capability=done.capability))
     assert res.ok and verify_request(decode.cache, res.local_block_ids, 5) == []
     decode.finish("r1")
     assert_decode_clean(decode)
@@ -152,7 +155,8 @@ def test_read_stalls_until_the_deadline(prefill: PrefillThread, decode: DecodeWo
     addr = prefill.address
     done = prefill_request(addr, "r1")
     set_faults(decode, stall_reads=True)
-    res = finish_read(decode, decode.start("r1", addr, done.block_ids))
+    res = finish_read(decode, decode.start("r1", addr, done.block_ids,
+                                          capability=done.capability))
     assert res.status == "failed" and res.reason.startswith("READ timed out after")
     assert_decode_clean(decode)
     assert wait_prefill_free(addr).expired == 1
@@ -166,7 +170,8 @@ def test_many_requests_aborted_mid_flight(prefill: PrefillThread, decode: Decode
     results = []
     for i in range(50):
         done = prefill_request(addr, f"a{i}", tokens=16 + i % 9, seed=i)
-        results.append(decode.start(f"a{i}", addr, done.block_ids))
+        results.append(decode.start(f"a{i}", addr, done.block_ids,
+                                    capability=done.capability))
     assert decode.num_pending == 50
     assert decode.transport.num_open_handles == 50
     ended = [decode.abort(r.request_id, reason=f"client went away ({r.request_id})")
@@ -188,7 +193,8 @@ def test_abort_after_the_read_completed(prefill: PrefillThread, decode: DecodeWo
     """Abort races the notification: prefill frees once, the loser is reported, no crash."""
     addr = prefill.address
     done = prefill_request(addr, "r1")
-    decode.start("r1", addr, done.block_ids)  # loopback READ done, notification queued
+    # loopback READ done, notification queued
+    decode.start("r1", addr, done.block_ids, capability=done.capability)
     res = decode.abort("r1", reason="caller gave up")
     assert (res.status, res.reason) == ("aborted", "caller gave up")
     assert_decode_clean(decode)
@@ -206,7 +212,8 @@ def test_wait_backstop_and_close_abort_stalled_reads(prefill: PrefillThread) -> 
     try:
         set_faults(worker, stall_reads=True)
         for rid in ("w1", "c1", "c2"):
-            worker.start(rid, addr, prefill_request(addr, rid).block_ids)
+            done = prefill_request(addr, rid)
+            worker.start(rid, addr, done.block_ids, capability=done.capability)
         res = worker.wait("w1", timeout_s=0.05)  # gives up before the READ deadline
         assert res.status == "aborted" and "wait() gave up after 0.05 s" in res.reason
         pending = [p.result for p in worker._pending.values()]
@@ -224,7 +231,7 @@ def test_lease_expired_before_decode_reads(prefill: PrefillThread, decode: Decod
     done = prefill_request(addr, "late")
     s = wait_prefill_free(addr)  # decode "was slow": the lease ends first
     assert s.expired == 1
-    res = decode.start("late", addr, done.block_ids)
+    res = decode.start("late", addr, done.block_ids, capability=done.capability)
     assert res.status == "failed"
     assert "request 'late' is not held here" in res.reason and "lease expired" in res.reason
     assert_decode_clean(decode)
@@ -316,7 +323,7 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
         assert_next_request_works(decode, addr, "before")
         done = prefill_request(addr, "orphan")
     # prefill is gone: the side channel does not answer, the request fails, bounded
-    res = decode.start("orphan", addr, done.block_ids)
+    res = decode.start("orphan", addr, done.block_ids, capability=done.capability)
     assert res.status == "failed" and res.code == HandshakeTimeout.code
     assert_decode_clean(decode)
     with serving(lease_s=2.0, port=addr[1]) as second:
@@ -325,7 +332,8 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
         for i in range(3):  # the first READ may still go to the dead agent, then recover
             rid = f"after{i}"
             d = prefill_request(addr, rid, seed=i + 10)
-            r = finish_read(decode, decode.start(rid, addr, d.block_ids))
+            r = finish_read(decode, decode.start(rid, addr, d.block_ids,
+                                              capability=d.capability))
             outcomes.append(r.status)
             if r.ok:
                 assert verify_request(decode.cache, r.local_block_ids, i + 10) == []

@@ -25,6 +25,7 @@ import zmq
 import kvstage as ks
 from kvstage.cache import HostLayout
 from kvstage.layout import CacheLayout, KVLayout
+from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, pair_runs
 from kvstage.pd.prefill import PrefillWorker
@@ -96,7 +97,7 @@ def count_runs(remote: Sequence[Sequence[int]], local: Sequence[Sequence[int]]) 
 def transfer(decode: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int, seed: int,
              local: list[list[int]] | None = None):
     done = remote_prefill(decode, addr, rid, tokens, seed)
-    res = decode.start(rid, addr, done.block_ids, local)
+    res = decode.start(rid, addr, done.block_ids, local, capability=done.capability)
     if res.status == "pending":
         res = decode.wait(rid, 10.0)
     return done, res
@@ -157,15 +158,16 @@ def test_descriptor_count_is_runs(host_layout: HostLayout, ids: str) -> None:
         addr = prefill.address
         if ids == "churned":
             # churn the prefill pool: its free queue now hands out ids in pieces
-            for i, tokens in enumerate([300, 700, 200, 900]):
-                remote_prefill(decode, addr, f"c{i}", tokens, seed=i)
+            churn = [remote_prefill(decode, addr, f"c{i}", tokens, seed=i)
+                     for i, tokens in enumerate([300, 700, 200, 900])]
             for i in (0, 2):
-                decode.client(*addr).call(m.Release(request_id=f"c{i}"))
+                decode.client(*addr).call(m.Release(request_id=f"c{i}",
+                                                    capability=churn[i].capability))
         done = remote_prefill(decode, addr, "req", 4096, seed=3)
         local = _scattered_local(done) if ids == "scattered" else None
         for g in local or []:
             decode.pool.claim(g)  # the caller allocates the ids it passes
-        res = decode.start("req", addr, done.block_ids, local)
+        res = decode.start("req", addr, done.block_ids, local, capability=done.capability)
         if res.status == "pending":
             res = decode.wait("req", 10.0)
         assert res.status == "done", res.reason
@@ -231,8 +233,9 @@ def test_released_before_read_fails_naming_it_and_cleans_up() -> None:
     with pair() as (prefill, decode):
         addr = prefill.address
         done = remote_prefill(decode, addr, "gone", 512, seed=1)
-        assert isinstance(decode.client(*addr).call(m.Release(request_id="gone")), m.Ok)
-        res = decode.start("gone", addr, done.block_ids)
+        release = m.Release(request_id="gone", capability=done.capability)
+        assert isinstance(decode.client(*addr).call(release), m.Ok)
+        res = decode.start("gone", addr, done.block_ids, capability=done.capability)
         assert res.status == "failed"
         assert "Acquire" in res.reason and "'gone' is not held" in res.reason
         assert_clean(decode)
@@ -252,7 +255,7 @@ def test_lease_expiry_frees_prefill_blocks() -> None:
         wait_for(lambda: remote_stats(decode, addr).expired == 1)
         stats = remote_stats(decode, addr)
         assert stats.held_requests == 0 and stats.free_blocks == NUM_BLOCKS - 1
-        res = decode.start("late", addr, done.block_ids)
+        res = decode.start("late", addr, done.block_ids, capability=done.capability)
         assert res.status == "failed" and "lease expired" in res.reason
         assert_clean(decode)
 
@@ -317,7 +320,7 @@ def stats(addr: tuple[str, int]) -> m.Stats:
     return reply
 
 
-def raw_call(addr: tuple[str, int], payload: bytes) -> m.AnyMessage:
+def raw_call(addr: tuple[str, int], payload: bytes) -> m.Message:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
@@ -325,7 +328,7 @@ def raw_call(addr: tuple[str, int], payload: bytes) -> m.AnyMessage:
         sock.connect(f"tcp://{addr[0]}:{addr[1]}")
         sock.send(payload)
         assert sock.poll(5000), "prefill did not answer a garbled message"
-        return m.decode(sock.recv())
+        return auth.Authenticator(None).open_reply(sock.recv(), None)
     finally:
         sock.close(linger=0)
 
@@ -501,13 +504,13 @@ def test_decode_request_id_reused_while_in_flight(
     done = client.call(m.PrefillRequest(request_id="dup", num_tokens=64, seed=1))
     assert isinstance(done, m.PrefillDone)
     decode.transport.stall_reads = True  # type: ignore[attr-defined]  # keep it in flight
-    first = decode.start("dup", addr, done.block_ids)
+    first = decode.start("dup", addr, done.block_ids, capability=done.capability)
     assert first.status == "pending"
     before = decode_state(decode)
     prefill_before = stats(addr)
     with pytest.raises(ValueError, match="request id 'dup' is already in flight here; finish "
                        "or abort it first, or use a new id"):
-        decode.start("dup", addr, done.block_ids)
+        decode.start("dup", addr, done.block_ids, capability=done.capability)
     assert_decode_unchanged(decode, before)
     assert stats(addr) == prefill_before
     assert decode.abort("dup").status == "aborted"

@@ -95,7 +95,8 @@ def test_engine_owned_caches_and_ids_over_real_nixl() -> None:
         done = prefill.hold("req-1")
         assert done.block_ids == ids
         local = [d_alloc.allocate(len(g)) for g in ids]
-        res = decode.start("req-1", prefill.address, done.block_ids, local)
+        res = decode.start("req-1", prefill.address, done.block_ids, local,
+                           capability=done.capability)
         if res.status == "pending":
             res = decode.wait("req-1", 20.0)
         assert res.status == "done", res.reason

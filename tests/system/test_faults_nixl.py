@@ -108,7 +108,8 @@ def wait_prefill_free(addr: tuple[str, int], num_blocks: int,
 def assert_request_works(decode: DecodeWorker, addr: tuple[str, int], rid: str,
                          tokens: int = 300, seed: int = 77) -> None:
     done = prefill_request(addr, rid, tokens=tokens, seed=seed)
-    res = finish_read(decode, decode.start(rid, addr, done.block_ids))
+    res = finish_read(decode, decode.start(rid, addr, done.block_ids,
+                                           capability=done.capability))
     assert res.ok, res.reason
     assert verify_request(decode.cache, res.local_block_ids, seed) == []
     decode.finish(rid)
@@ -140,7 +141,8 @@ def test_prefill_killed_before_the_read_then_restarted_on_the_same_port() -> Non
             assert_request_works(decode, addr, "warm")  # connected, UCX endpoint up
             done = prefill_request(addr, "doomed")
             kill_on_read(decode, first, delay_s=None)  # dies after Acquire, before READ
-            res = finish_read(decode, decode.start("doomed", addr, done.block_ids))
+            res = finish_read(decode, decode.start("doomed", addr, done.block_ids,
+                                                   capability=done.capability))
         finally:
             first.kill()
         assert res.status == "failed", res
@@ -173,7 +175,8 @@ def test_prefill_killed_during_a_large_read() -> None:
         assert_request_works(decode, addr, "warm", tokens=16)
         done = prefill_request(addr, "big", tokens=1200, seed=9)  # 75 blocks, 150 MiB
         kill_on_read(decode, c, delay_s=0.003)
-        res = finish_read(decode, decode.start("big", addr, done.block_ids))
+        res = finish_read(decode, decode.start("big", addr, done.block_ids,
+                                               capability=done.capability))
         print(f"killed during READ -> {res.status}: {res.reason[:160]}")  # shown with -s
         if res.status == "done":
             assert verify_request(decode.cache, res.local_block_ids, 9) == []
@@ -184,7 +187,7 @@ def test_prefill_killed_during_a_large_read() -> None:
         c.kill()
         del decode.transport.read
         # the dead peer's READ fails fast and leaks nothing either
-        res = decode.start("big2", addr, done.block_ids)
+        res = decode.start("big2", addr, done.block_ids, capability=done.capability)
         assert res.status == "failed"
         assert_decode_clean(decode)
 
@@ -196,12 +199,12 @@ def _decode_child(conn: Connection, choice: KVLayout, addr: tuple[str, int]) -> 
     worker = make_decode(choice, transport="nixl", read_timeout_s=READ_TIMEOUT_S)
     done = call(addr, m.PrefillRequest(request_id="child-ok", num_tokens=64, seed=3))
     assert isinstance(done, m.PrefillDone)
-    res = worker.start("child-ok", addr, done.block_ids)
+    res = worker.start("child-ok", addr, done.block_ids, capability=done.capability)
     while res.status == "pending":
         worker.poll()
     held = call(addr, m.PrefillRequest(request_id="child-held", num_tokens=400, seed=4))
     assert isinstance(held, m.PrefillDone)
-    lease = call(addr, m.Acquire(request_id="child-held"))
+    lease = call(addr, m.Acquire(request_id="child-held", capability=held.capability))
     conn.send((res.status, isinstance(lease, m.Lease)))
     time.sleep(120)  # killed long before
 
@@ -242,7 +245,8 @@ def test_read_beyond_the_remote_region_and_abort() -> None:
         # a remote whose host buffer "moved": descriptors fall past prefill's registration
         decode._remotes[addr] = dataclasses.replace(remote, base=remote.base + (1 << 40))
         done = prefill_request(addr, "beyond")
-        res = finish_read(decode, decode.start("beyond", addr, done.block_ids))
+        res = finish_read(decode, decode.start("beyond", addr, done.block_ids,
+                                               capability=done.capability))
         assert res.status == "failed"
         assert "NIXL refused the READ" in res.reason and "NIXL_ERR_NOT_FOUND" in res.reason
         assert_decode_clean(decode)
@@ -250,7 +254,7 @@ def test_read_beyond_the_remote_region_and_abort() -> None:
         assert_request_works(decode, addr, "after")  # ... and the next request works
         # abort with real NIXL: aborted, handle released, prefill frees once
         done = prefill_request(addr, "aborted")
-        decode.start("aborted", addr, done.block_ids)
+        decode.start("aborted", addr, done.block_ids, capability=done.capability)
         res = decode.abort("aborted", reason="caller gave up")
         assert (res.status, res.reason) == ("aborted", "caller gave up")
         assert_decode_clean(decode)

@@ -58,11 +58,15 @@ def netns_unavailable() -> str | None:
     return None
 
 
+NETNS_KEY = "netns-test-key-" + "0" * 16
+
+
 def _child_env() -> dict[str, str]:
     # UCX_* set in this process (NixlTransport's setdefault in other tests) would win
     # over the role commands' own choice, so children get none.
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
-    return env | {"PYTHONUNBUFFERED": "1"}
+    # the roles bind and connect a non-loopback address: they need the shared key
+    return env | {"PYTHONUNBUFFERED": "1", "KVSTAGE_KEY": NETNS_KEY}
 
 
 @dataclass

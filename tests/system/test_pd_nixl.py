@@ -92,7 +92,8 @@ def read(decode: DecodeWorker, addr: tuple[str, int], done: m.PrefillDone,
     for g in local or []:
         decode.pool.claim(g)
     try:
-        res = decode.start(done.request_id, addr, done.block_ids, local)
+        res = decode.start(done.request_id, addr, done.block_ids, local,
+                           capability=done.capability)
         if res.status == "pending":
             res = decode.wait(done.request_id, 2 * decode.read_timeout_s)
     finally:
@@ -243,7 +244,8 @@ def test_released_before_read_fails_naming_it(prefill_proc: PrefillProcess) -> N
     addr = prefill_proc.address
     with decoder() as decode:
         done = prefill_remote(addr, "released", 512, seed=1)
-        assert isinstance(SideChannelClient(*addr).call(m.Release(request_id="released")), m.Ok)
+        release = m.Release(request_id="released", capability=done.capability)
+        assert isinstance(SideChannelClient(*addr).call(release), m.Ok)
         res = read(decode, addr, done)
         assert res.status == "failed"
         assert "Acquire" in res.reason and "not held" in res.reason

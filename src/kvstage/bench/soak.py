@@ -254,7 +254,8 @@ class Soak:
         if pair.faulty:
             pair.set_faults(rec.fault)
         try:
-            res = pair.decode.start(rec.request_id, pair.address, done.block_ids)
+            res = pair.decode.start(rec.request_id, pair.address, done.block_ids,
+                                    capability=done.capability)
         except Exception as exc:
             self._end(rec, "failed", f"start raised {type(exc).__name__}: {exc}",
                       code=code_of(exc))

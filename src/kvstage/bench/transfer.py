@@ -87,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--connect", default=None, metavar="HOST:PORT",
       help="measure against a `bench transfer --listen` prefill there, not a local child")
     cli_args.add_ucx_arguments(parser)
+    cli_args.add_auth_arguments(parser)
 
 
 def _churn_local(layout: KVLayout, seed: int) -> BlockPool:
@@ -123,10 +124,12 @@ class Bench:
             self.address = self.proc.wait_ready()
         self.ucx = cli_args.setup_ucx(args, self.address[0])
         self.transport: Transport | None = None
-        self.held: set[str] = set()  # request ids prefill holds for us: released at close
+        # request ids prefill holds for us -> their capability: released at close
+        self.held: dict[str, bytes] = {}
         self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: wire ids unique per run
         try:
-            self.client = SideChannelClient(*self.address, timeout_s=30.0)
+            key = cli_args.key_from_args(args, self.address[0], "bench transfer")
+            self.client = SideChannelClient(*self.address, timeout_s=30.0, key=key)
             from kvstage.transport import make_transport
 
             self.transport = make_transport("nixl", f"bench-{uuid.uuid4().hex[:8]}")
@@ -159,12 +162,12 @@ class Bench:
         done = self.client.call(m.PrefillRequest(request_id=wire, num_tokens=tokens, seed=seed))
         if not isinstance(done, m.PrefillDone):
             raise RuntimeError(f"prefill refused request {wire!r}: {done}")
-        self.held.add(rid)
+        self.held[rid] = done.capability
         return done.block_ids
 
     def release(self, rid: str) -> None:
-        self.held.discard(rid)
-        self.client.call(m.Release(request_id=f"{rid}-{self.tag}"))
+        capability = self.held.pop(rid, b"")
+        self.client.call(m.Release(request_id=f"{rid}-{self.tag}", capability=capability))
 
     # -- descriptor lists -----------------------------------------------------------------
     def descriptors(self, method: str, runs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -304,9 +307,12 @@ def _serve(args: argparse.Namespace) -> int:
     argv = ["--listen", args.listen, "--lease-s", str(BENCH_LEASE_S), "--preset", args.preset,
             "--num-blocks", str(args.num_blocks), "--host-layout", HostLayout.BLOCK_MAJOR.value,
             "--device", "cpu", "--transport", "nixl"]
-    for flag, value in (("--ucx-tls", args.ucx_tls), ("--ucx-net-devices", args.ucx_net_devices)):
+    for flag, value in (("--ucx-tls", args.ucx_tls), ("--ucx-net-devices", args.ucx_net_devices),
+                        ("--key-file", args.key_file)):
         if value:
             argv += [flag, value]
+    if args.insecure:
+        argv.append("--insecure")
     return prefill.run(parser.parse_args(argv))
 
 
@@ -328,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     modes = list(ID_MODES) if args.ids == "both" else [args.ids]
     try:
         bench = Bench(args)
-    except net.PeerUnavailable as exc:
+    except (net.PeerUnavailable, argparse.ArgumentTypeError) as exc:  # or a key refused
         print(f"kvstage bench transfer: {exc}", file=sys.stderr)
         return net.EXIT_UNUSABLE_PEER
     try:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvstage.cache import HostLayout
 from kvstage.layout import KVLayout
+from kvstage.pd import auth
 from kvstage.presets import PRESETS, preset
 from kvstage.transport import TRANSPORTS, ucx_env
 
@@ -118,6 +120,32 @@ def setup_ucx(args: argparse.Namespace, host: str) -> str:
     choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices)
     ucx_env.apply(choice)
     return "ucx: " + choice.describe()
+
+
+def add_auth_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--key-file", default=None, metavar="PATH",
+                   help="shared key authenticating the side channel (a file readable by its "
+                        f"owner only, >= {auth.MIN_KEY_BYTES} bytes); else ${auth.KEY_ENV}; "
+                        "the same key on prefill and decode")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow a non-loopback address without a key (anyone who reaches "
+                        "the port can release requests and READ the host buffer)")
+
+
+def key_from_args(args: argparse.Namespace, host: str, command: str) -> bytes | None:
+    """The shared key (``--key-file``, else `auth.KEY_ENV`), checked against ``host``:
+    a non-loopback address without a key raises ArgumentTypeError unless ``--insecure``
+    (then one warning line on stderr)."""
+    try:
+        key = auth.load_key(args.key_file)
+        auth.check_bind(host, key, insecure=args.insecure)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if key is None and not auth.is_loopback(host):
+        print(f"kvstage {command}: WARNING: --insecure: the side channel on {host} is not "
+              "authenticated; anyone who reaches it can release requests and READ the "
+              "host buffer", file=sys.stderr)
+    return key
 
 
 def add_json_argument(p: argparse.ArgumentParser, what: str = "the rows") -> None:

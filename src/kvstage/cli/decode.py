@@ -51,11 +51,14 @@ class Row:
 
 
 def run_one(worker: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int, seed: int,
-            timeout_s: float) -> Row:
+            timeout_s: float, issued: dict[str, bytes] | None = None) -> Row:
     client = worker.client(*addr)
     done = client.call(m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
     assert isinstance(done, m.PrefillDone)
-    res = worker.start(rid, addr, done.block_ids)
+    if issued is not None:  # the capability, so an interrupt can still release it
+        issued.clear()
+        issued[rid] = done.capability
+    res = worker.start(rid, addr, done.block_ids, capability=done.capability)
     if res.status == "pending":
         # the worker fails the READ at its own deadline; wait() is only the backstop
         res = worker.wait(rid, timeout_s + 1.0)
@@ -128,20 +131,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_json_argument(p)
     cli_args.add_layout_arguments(p)
     cli_args.add_ucx_arguments(p)
+    cli_args.add_auth_arguments(p)
 
 
 def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:
     return Row(rid, layout, tokens, "-", 0, 0, 0.0, 0.0, 0.0, status, False, reason)
 
 
-def _abort_in_flight(worker: DecodeWorker, addr: tuple[str, int], rid: str, why: str) -> str:
+def _abort_in_flight(worker: DecodeWorker, addr: tuple[str, int], rid: str, why: str,
+                     capability: bytes) -> str:
     """Abort ``rid`` here and at the prefill (which then frees its blocks, not at lease end)."""
     try:
         worker.abort(rid, reason=why)  # also asks the prefill to release
         return "READ aborted, prefill asked to release its blocks"
     except ValueError:  # not pending here: between steps; make sure prefill lets go
         try:
-            worker.client(*addr).call(m.Release(request_id=rid), timeout_s=1.0)
+            worker.client(*addr).call(m.Release(request_id=rid, capability=capability),
+                                      timeout_s=1.0)
             return "prefill released its blocks"
         except KVStageError:
             return "prefill holds nothing for it (or frees it when its lease ends)"
@@ -151,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         addr = parse_address(args.connect)
         layout = cli_args.layout_from_args(args)
+        key = cli_args.key_from_args(args, addr[0], "decode")
     except (KVStageError, argparse.ArgumentTypeError) as exc:
         print(f"kvstage decode: {exc}", file=sys.stderr)
         return 2
@@ -164,12 +171,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvstage decode -> {args.connect} preset={layout.name} blocks={layout.num_blocks} "
           f"{ucx}", flush=True)
     rid, tokens = "", 0
+    issued: dict[str, bytes] = {}  # request id -> capability (for an interrupt's Release)
     with net.signals_raise():
         try:
             worker = make_decode(
                 layout, device=args.device, host_layout=args.host_layout,
                 transport=args.transport, read_timeout_s=args.read_timeout_s,
-                handshake_timeout_s=args.handshake_timeout_s,
+                handshake_timeout_s=args.handshake_timeout_s, key=key,
             )
         except (OSError, RuntimeError, ValueError, ImportError) as exc:
             print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",
@@ -188,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
                     rid = f"d{tag}-{i}"
                     try:
                         row = run_one(worker, addr, rid, tokens, seed=i + 1,
-                                      timeout_s=args.read_timeout_s)
+                                      timeout_s=args.read_timeout_s, issued=issued)
                     except (HandshakeTimeout, PeerUnavailable) as exc:
                         # the prefill stopped answering: every later request would wait
                         # out its own timeout, so stop here
@@ -200,7 +208,8 @@ def run(args: argparse.Namespace) -> int:
                         row = _failed_row(layout.name, rid, tokens, "failed", str(exc))
                     rows.append(row)
             except net.Interrupted as sig:
-                how = _abort_in_flight(worker, addr, rid, f"interrupted by {sig.name}")
+                how = _abort_in_flight(worker, addr, rid, f"interrupted by {sig.name}",
+                                       issued.get(rid, b""))
                 rows.append(_failed_row(layout.name, rid, tokens, "aborted", sig.name))
                 print_rows(rows)
                 print(f"\nkvstage decode: {sig.name}: stopped after {len(rows) - 1}/"

@@ -29,12 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=DEFAULT_LEASE_S)
     cli_args.add_layout_arguments(p)
     cli_args.add_ucx_arguments(p)
+    cli_args.add_auth_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         host, port = parse_address(args.listen)
         layout = cli_args.layout_from_args(args)
+        key = cli_args.key_from_args(args, host, "prefill")
     except (KVStageError, argparse.ArgumentTypeError) as exc:
         print(f"kvstage prefill: {exc}", file=sys.stderr)
         return 2
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         worker = make_prefill(
             layout, host=host, port=port, device=args.device, host_layout=args.host_layout,
-            lease_s=args.lease_s, transport=args.transport,
+            lease_s=args.lease_s, transport=args.transport, key=key, insecure=args.insecure,
         )
     except (OSError, RuntimeError, ValueError, ImportError) as exc:
         print(f"kvstage prefill: cannot start on {args.listen} ({ucx}): {exc}", file=sys.stderr)
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
     lay = worker.layout
     print(f"kvstage prefill listening on {h}:{p} engine={worker.engine_id} preset={lay.name} "
           f"groups={lay.num_groups} tensors={lay.num_tensors} blocks={lay.num_blocks} "
-          f"host={worker.host.nbytes >> 20} MiB", flush=True)
+          f"host={worker.host.nbytes >> 20} MiB "
+          f"auth={'key' if key is not None else 'none'}", flush=True)
     print(f"kvstage prefill {ucx}", flush=True)
     try:
         worker.serve_forever()

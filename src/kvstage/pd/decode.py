@@ -1,8 +1,9 @@
 """DecodeWorker: the decode role. Handshake, READ host -> host over NIXL, then h2d.
 
 Primitives (what an engine calls):
-- ``start(request_id, remote_addr, remote_block_ids, local_block_ids)``: handshake once
-  per remote, confirm the remote lease, pair remote and local ids group by group, merge
+- ``start(request_id, remote_addr, remote_block_ids, local_block_ids, capability=)``:
+  handshake once per remote (authenticated with ``key``), confirm the remote lease with
+  the request's capability (from prefill's PrefillDone), pair remote and local ids, merge
   the pairs into runs (`pair_runs`) and post ONE READ whose descriptors are one per run
   (block-major host) or one per run per tensor per plane (mirror).
 - ``poll()``: never blocks; a DONE READ is loaded to the device (h2d) and reported
@@ -44,6 +45,7 @@ from kvstage.errors import (
     TransportFailure,
     code_of,
 )
+from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
     ABORTED,
@@ -78,8 +80,10 @@ class DecodeWorker:
         handshake_timeout_s: float = DEFAULT_TIMEOUT_S,
         engine_id: str | None = None,
         pool: BlockPool | None = None,
+        key: bytes | None = None,
     ) -> None:
         try:
+            self.key = key  # the side channel's shared key (`kvstage.pd.auth`), or None
             self.read_timeout_s = _finite_positive("read_timeout_s", read_timeout_s)
             self.handshake_timeout_s = _finite_positive("handshake_timeout_s",
                                                         handshake_timeout_s)
@@ -103,7 +107,7 @@ class DecodeWorker:
 
     # -- handshake ----------------------------------------------------------------------
     def client(self, host: str, port: int) -> SideChannelClient:
-        return SideChannelClient(host, port, timeout_s=self.handshake_timeout_s)
+        return SideChannelClient(host, port, timeout_s=self.handshake_timeout_s, key=self.key)
 
     def connect(self, host: str, port: int) -> Remote:
         """Handshake once per remote: fetch its agent metadata and layout, check both."""
@@ -191,8 +195,11 @@ class DecodeWorker:
         local_block_ids: Sequence[Sequence[int]] | None = None,
         *,
         remote_request_id: str | None = None,
+        capability: bytes = b"",
     ) -> RequestResult:
-        """Post the READ for one request; returns its (pending or failed) result."""
+        """Post the READ for one request; returns its (pending or failed) result.
+        ``capability``: the token prefill issued with the ids (``PrefillDone.capability``);
+        without it prefill refuses the Acquire and the request fails "unauthorized"."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._pending or request_id in self._owned:
@@ -218,7 +225,9 @@ class DecodeWorker:
             remote = self.connect(*remote_addr)
             if runs.shape[0] == 0:
                 return self._finish(result, None)
-            lease = self.client(*remote_addr).call(m.Acquire(request_id=remote_rid))
+            lease = self.client(*remote_addr).call(
+                m.Acquire(request_id=remote_rid, capability=capability)
+            )
             if not isinstance(lease, m.Lease):
                 raise ProtocolMismatch(
                     f"unexpected answer to Acquire: {type(lease).__name__}"
@@ -227,7 +236,8 @@ class DecodeWorker:
             remote_d = self._remote_descs(remote, runs)
             result.num_descriptors = int(local_d.shape[0])
             started = time.monotonic()
-            handle = self.transport.read(remote.peer, local_d, remote_d, remote_rid.encode())
+            handle = self.transport.read(remote.peer, local_d, remote_d,
+                                         auth.completion_notif(remote_rid, capability))
         except Exception as exc:  # every failure ends as a failed request, never a crash
             if isinstance(exc, TransportFailure):
                 self._forget((remote_addr[0], remote_addr[1]))
@@ -235,7 +245,7 @@ class DecodeWorker:
             return self._fail(result, f"{type(exc).__name__}: {exc}", code=code)
         budget = min(self.read_timeout_s, lease.remaining_s)
         self._pending[request_id] = _Pending(
-            result, remote, remote_rid, handle, started, started + budget
+            result, remote, remote_rid, handle, started, started + budget, capability
         )
         for g in local:
             for b in g:
@@ -309,7 +319,8 @@ class DecodeWorker:
         # best effort: let prefill free now instead of at lease expiry
         with contextlib.suppress(Exception):
             self.client(p.remote.host, p.remote.port).call(
-                m.Release(request_id=p.remote_request_id), timeout_s=1.0
+                m.Release(request_id=p.remote_request_id, capability=p.capability),
+                timeout_s=1.0,
             )
         return result
 

@@ -19,7 +19,7 @@ from kvstage.layout import (
     SlidingWindowSpec,
 )
 
-PROTOCOL_VERSION = 2  # 2: Error carries a code
+PROTOCOL_VERSION = 3  # 2: Error carries a code; 3: envelopes (auth.py), capabilities
 #: the largest side-channel message accepted (a Meta with a 100-layer layout and NIXL's
 #: agent metadata is ~10 KiB)
 MAX_MESSAGE_BYTES = 1 << 20
@@ -80,6 +80,9 @@ class PrefillDone(Message, tag="prefill_done"):
     d2h_s: float
     nbytes: int
     lease_s: float
+    #: the request's capability: Acquire, Release and the completion notification must
+    #: carry it (`kvstage.pd.auth`); hand it to decode with the block ids
+    capability: bytes = b""
 
 
 class GetStats(Message, tag="get_stats"):
@@ -87,9 +90,11 @@ class GetStats(Message, tag="get_stats"):
 
 
 class Acquire(Message, tag="acquire"):
-    """Decode is about to READ a request: confirm its blocks are held, extend the lease."""
+    """Decode is about to READ a request: confirm its blocks are held, extend the lease
+    (up to the prefill's max_hold_s in total)."""
 
     request_id: str
+    capability: bytes = b""
 
 
 class Lease(Message, tag="lease"):
@@ -108,6 +113,8 @@ class Stats(Message, tag="stats"):
     unknown_notifs: list[str]  # the last few (bounded), for people
     open_handles: int
     num_unknown_notifs: int = 0
+    unauthorized: int = 0  # messages refused: no/wrong MAC, stale, replayed
+    bad_capability: int = 0  # Acquire/Release/notification with a wrong or missing token
 
 
 class Release(Message, tag="release"):
@@ -115,6 +122,7 @@ class Release(Message, tag="release"):
     for the lease)."""
 
     request_id: str
+    capability: bytes = b""
 
 
 class Ok(Message, tag="ok"):

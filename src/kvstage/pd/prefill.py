@@ -6,7 +6,11 @@ Primitives (what an engine calls):
   copied again (the last, partly filled block of a chunk is completed by the next), new
   ones are added to the request.
 - ``hold(request_id)``: the request is complete; its blocks are held under a lease
-  (default 30 s) and decode may READ them. Returns the ids to hand to decode.
+  (default 30 s, renewable by Acquire up to ``max_hold_s`` in total, default 4 leases)
+  and decode may READ them. Returns the ids and the request's capability (an
+  unguessable token) to hand to decode: a side-channel Acquire or Release and the
+  completion notification are honoured only with it (`kvstage.pd.auth`); a wrong or
+  missing one changes nothing and is counted (``bad_capability``).
 - ``release(request_id)``: give the blocks back now (the engine aborted the request).
 - ``serve_once()`` / ``serve_forever()``: the side channel (GetMeta, Acquire, Release,
   GetStats, and PrefillRequest when a producer is given), then NIXL notifications
@@ -16,7 +20,9 @@ Who owns what: the engine owns the device tensors (`KVCache.wrap`), the block id
 the forward pass; it must not reuse a request's blocks until ``on_free(request_id,
 block_ids)`` is called (after decode's notification, a Release, or the lease). The
 worker owns the host buffer (one registered allocation) and the injected `Transport`
-(it registers the buffer now and closes the transport in `close`). Without an engine,
+(it registers the buffer now and closes the transport in `close`). With ``key`` every
+side-channel message (GetMeta, hence the NIXL metadata, included) must be authenticated;
+refused ones are counted (``unauthorized``). Without an engine,
 ``pool`` (a `BlockPool`) allocates and frees, and ``producer`` writes the KV for a
 side-channel `PrefillRequest` (the CLI, demo, benches and tests use the pattern in
 `kvstage.testing.pattern`).
@@ -27,6 +33,7 @@ not guaranteed thread-safe); ``stop`` may be called from any thread or a signal 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 import uuid
@@ -36,7 +43,8 @@ from dataclasses import dataclass, field
 from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine, CopyStats
-from kvstage.errors import InvalidRequest, KVStageError, NotHeld, code_of
+from kvstage.errors import InvalidRequest, KVStageError, NotHeld, Unauthorized, code_of
+from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
 from kvstage.transport.base import Transport
@@ -57,6 +65,8 @@ class _Request:
     deadline: float = 0.0
     d2h_s: float = 0.0
     nbytes: int = 0
+    capability: bytes = b""  # issued by hold()
+    hold_until: float = 0.0  # no renewal past this (held at + max_hold_s)
 
 
 @dataclass
@@ -67,6 +77,8 @@ class PrefillCounters:
     expired: int = 0  # freed by the lease
     unknown_notifs: list[str] = field(default_factory=list)  # the last MAX_UNKNOWN_NOTIFS
     num_unknown_notifs: int = 0
+    unauthorized: int = 0  # side-channel messages refused (no/wrong MAC, stale, replayed)
+    bad_capability: int = 0  # Acquire/Release/notification with a wrong or missing token
 
 
 class PrefillWorker:
@@ -83,12 +95,21 @@ class PrefillWorker:
         pool: BlockPool | None = None,
         producer: Producer | None = None,
         on_free: OnFree | None = None,
+        key: bytes | None = None,
+        insecure: bool = False,
+        max_hold_s: float | None = None,
     ) -> None:
         if not (isinstance(lease_s, int | float) and 0 < lease_s < float("inf")):
             transport.close()
             raise InvalidRequest(f"lease_s must be a finite number > 0, got {lease_s!r}")
+        max_hold = 4 * lease_s if max_hold_s is None else max_hold_s
+        if isinstance(max_hold, bool) or not (isinstance(max_hold, int | float)
+                                              and max_hold > 0 and math.isfinite(max_hold)):
+            transport.close()
+            raise InvalidRequest(f"max_hold_s must be a finite number > 0, got {max_hold_s!r}")
         self.layout = cache.layout
         self.lease_s = float(lease_s)
+        self.max_hold_s = float(max_hold)
         self.engine_id = engine_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.cache = cache
         self.pool = pool
@@ -101,7 +122,7 @@ class PrefillWorker:
             # registered once, at start-up: pinning and key exchange are far too slow
             # per request
             self.transport.register(self.host.data_ptr, self.host.nbytes)
-            self.server = SideChannelServer(host, port)
+            self.server = SideChannelServer(host, port, key=key, insecure=insecure)
         except Exception:
             self.transport.close()
             raise
@@ -155,12 +176,16 @@ class PrefillWorker:
             raise NotHeld(f"request {request_id!r} has no saved blocks here; save() first")
         if req.held:
             raise InvalidRequest(f"request {request_id!r} is already held")
+        now = time.monotonic()
         req.held = True
-        req.deadline = time.monotonic() + (lease_s or self.lease_s)
+        req.capability = auth.new_capability()
+        req.hold_until = now + self.max_hold_s
+        req.deadline = min(now + (lease_s or self.lease_s), req.hold_until)
         self.counters.prefilled += 1
         return m.PrefillDone(
             request_id=request_id, block_ids=[list(g) for g in req.block_ids],
             d2h_s=req.d2h_s, nbytes=req.nbytes, lease_s=self.lease_s,
+            capability=req.capability,
         )
 
     def release(self, request_id: str) -> None:
@@ -209,11 +234,13 @@ class PrefillWorker:
 
     def process_notifications(self) -> None:
         for _peer, msg in self.transport.get_notifs():
-            rid = msg[:256].decode(errors="replace")
+            rid, token = auth.parse_notif(msg[:1024])
             req = self._requests.get(rid)
-            if req is not None and req.held:
+            if req is not None and req.held and auth.same_capability(token, req.capability):
                 self._free(rid)
                 self.counters.completed += 1
+            elif req is not None and req.held:
+                self.counters.bad_capability += 1  # forged: the request stays held
             else:
                 # late (after lease expiry), duplicated or foreign: count, never crash
                 c = self.counters
@@ -247,21 +274,42 @@ class PrefillWorker:
         if isinstance(msg, m.PrefillRequest):
             return self.prefill(msg.request_id, msg.num_tokens, msg.seed)
         if isinstance(msg, m.Acquire):
-            req = self._requests.get(msg.request_id)
-            if req is None or not req.held:
+            req = self._authorized(msg.request_id, msg.capability)
+            now = time.monotonic()
+            if req.deadline <= now:  # at max_hold_s (or not swept yet): it ends now
+                self._free(msg.request_id)
+                self.counters.expired += 1
                 raise NotHeld(
-                    f"request {msg.request_id[:64]!r} is not held here (never prefilled, "
-                    "already read, released, or its lease expired)"
+                    f"request {msg.request_id[:64]!r} reached its lease end (held at most "
+                    f"{self.max_hold_s:g} s)"
                 )
-            # like vLLM's heartbeats: a decode about to READ extends the lease
-            req.deadline = time.monotonic() + self.lease_s
-            return m.Lease(request_id=msg.request_id, remaining_s=self.lease_s)
+            # like vLLM's heartbeats: a decode about to READ extends the lease, within
+            # the bound on the total hold
+            req.deadline = min(now + self.lease_s, req.hold_until)
+            return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now)
         if isinstance(msg, m.Release):
+            self._authorized(msg.request_id, msg.capability)
             self.release(msg.request_id)
             return m.Ok()
         if isinstance(msg, m.GetStats):
             return self.stats()
         raise InvalidRequest(f"prefill worker does not handle {type(msg).__name__}")
+
+    def _authorized(self, request_id: str, capability: bytes) -> _Request:
+        """The held request, if ``capability`` is the one issued for it."""
+        req = self._requests.get(request_id)
+        if req is None or not req.held:
+            raise NotHeld(
+                f"request {request_id[:64]!r} is not held here (never prefilled, "
+                "already read, released, or its lease expired)"
+            )
+        if not auth.same_capability(capability, req.capability):
+            self.counters.bad_capability += 1
+            raise Unauthorized(
+                f"wrong or missing capability for request {request_id[:64]!r}: pass the "
+                "one prefill issued with its block ids (PrefillDone.capability)"
+            )
+        return req
 
     def stats(self) -> m.Stats:
         c = self.counters
@@ -276,6 +324,8 @@ class PrefillWorker:
             unknown_notifs=list(c.unknown_notifs),
             open_handles=self.transport.num_open_handles,
             num_unknown_notifs=c.num_unknown_notifs,
+            unauthorized=c.unauthorized,
+            bad_capability=c.bad_capability,
         )
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
@@ -284,6 +334,8 @@ class PrefillWorker:
             envelope, msg = got
             reply: m.Message
             if isinstance(msg, Exception):
+                if isinstance(msg, Unauthorized):
+                    self.counters.unauthorized += 1
                 reply = m.Error(message=str(msg)[:512], code=code_of(msg))
             else:
                 try:

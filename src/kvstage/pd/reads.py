@@ -63,6 +63,7 @@ class _Pending:
     handle: int
     started: float
     deadline: float
+    capability: bytes = b""  # the request's token at prefill (Release carries it)
 
 
 def pair_runs(

@@ -5,14 +5,23 @@ Binds 127.0.0.1 by default; every wait is bounded, and so is every message
 request that gets no reply within its timeout raises `HandshakeTimeout` (the REQ socket
 is discarded, so a late reply can never be read as the answer to a later question). An
 ``Error`` reply raises `PeerError` carrying the peer's error code.
+
+Authentication (`kvstage.pd.auth`): with ``key``, every request and reply is sealed
+(HMAC-SHA256, timestamp, nonce) and checked; the server hands a refused request to its
+owner as an `Unauthorized` error (the owner replies ``Error(code="unauthorized")``), a
+client raises `Unauthorized` for a reply it cannot verify. ``SideChannelServer`` refuses a
+non-loopback address without a key unless ``insecure``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import zmq
 
 from kvstage.errors import HandshakeTimeout, InvalidRequest, PeerError
-from kvstage.pd.messages import MAX_MESSAGE_BYTES, Error, Message, decode, encode
+from kvstage.pd.auth import Authenticator, check_bind
+from kvstage.pd.messages import MAX_MESSAGE_BYTES, Error, Message
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 5.0
@@ -41,11 +50,13 @@ def parse_address(address: str, *, default_host: str = DEFAULT_HOST) -> tuple[st
 class SideChannelClient:
     """Ask a prefill worker's side channel one question at a time."""
 
-    def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, host: str, port: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 key: bytes | None = None) -> None:
         if not 0 < timeout_s < float("inf"):
             raise InvalidRequest(f"timeout_s must be a finite number > 0, got {timeout_s}")
         self.endpoint = f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
+        self._auth = Authenticator(key)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
     def call(self, msg: Message, *, timeout_s: float | None = None) -> Message:
@@ -55,14 +66,15 @@ class SideChannelClient:
         sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         try:
             sock.connect(self.endpoint)
-            sock.send(encode(msg))
+            wire, nonce = self._auth.seal(msg)
+            sock.send(wire)
             if not sock.poll(int(timeout * 1000), zmq.POLLIN):
                 raise HandshakeTimeout(
                     f"no answer from {self.endpoint} within {timeout:.1f} s: is a kvstage "
                     "prefill worker listening there (kvstage prefill --listen HOST:PORT), "
                     "and is the address reachable?"
                 )
-            reply = decode(sock.recv())
+            reply = self._auth.open_reply(sock.recv(), nonce)
         finally:
             sock.close(linger=0)
         if isinstance(reply, Error):
@@ -72,10 +84,21 @@ class SideChannelClient:
         return reply
 
 
-class SideChannelServer:
-    """A non-blocking ROUTER: `poll` returns at most one (identity, message or error)."""
+@dataclass(frozen=True)
+class Route:
+    """Where a reply goes: the zmq routing frames and the request's nonce."""
 
-    def __init__(self, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    frames: list[bytes]
+    nonce: bytes
+
+
+class SideChannelServer:
+    """A non-blocking ROUTER: `poll` returns at most one (route, message or error)."""
+
+    def __init__(self, host: str = DEFAULT_HOST, port: int = 0, *, key: bytes | None = None,
+                 insecure: bool = False) -> None:
+        check_bind(host, key, insecure=insecure)
+        self._auth = Authenticator(key)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -91,18 +114,22 @@ class SideChannelServer:
             raise OSError(f"cannot listen on {host}:{port}: {exc}") from None
         self.host = host
 
-    def poll(self, timeout_s: float) -> tuple[list[bytes], Message | Exception] | None:
+    def poll(self, timeout_s: float) -> tuple[Route, Message | Exception] | None:
+        """One request: its route and the message, or the error (`Unauthorized`,
+        `ProtocolMismatch`) that refused it."""
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             return None
         frames = self._sock.recv_multipart()
-        envelope, payload = frames[:-1], frames[-1]
+        routing, payload = frames[:-1], frames[-1]
         try:
-            return envelope, decode(payload)
-        except ValueError as exc:
-            return envelope, exc
+            msg, nonce = self._auth.open_request(payload)
+        except (ValueError, PermissionError) as exc:
+            return Route(routing, self._auth.peek_nonce(payload)), exc
+        return Route(routing, nonce), msg
 
-    def reply(self, envelope: list[bytes], msg: Message) -> None:
-        self._sock.send_multipart([*envelope, encode(msg)])
+    def reply(self, route: Route, msg: Message) -> None:
+        wire, _ = self._auth.seal(msg, reply_to=route.nonce)
+        self._sock.send_multipart([*route.frames, wire])
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -43,15 +43,20 @@ def make_prefill(
     port: int = 0,
     engine_id: str | None = None,
     transport_options: dict[str, Any] | None = None,
+    key: bytes | None = None,
+    insecure: bool = False,
+    max_hold_s: float | None = None,
 ) -> PrefillWorker:
-    """A prefill role over kvstage's own cache and pool, writing the pattern as KV."""
+    """A prefill role over kvstage's own cache and pool, writing the pattern as KV
+    (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`)."""
     cache = KVCache(layout, device)
     pool = BlockPool(layout.num_blocks)
     eid = engine_id or f"prefill-{os.urandom(4).hex()}"
     return PrefillWorker(
         cache, make_transport(transport, eid, **(transport_options or {})),
         host_layout=HostLayout(host_layout), lease_s=lease_s, host=host, port=port,
-        engine_id=eid, pool=pool, producer=PatternProducer(cache, pool),
+        engine_id=eid, pool=pool, producer=PatternProducer(cache, pool), key=key,
+        insecure=insecure, max_hold_s=max_hold_s,
     )
 
 
@@ -65,6 +70,7 @@ def make_decode(
     handshake_timeout_s: float = DEFAULT_TIMEOUT_S,
     engine_id: str | None = None,
     transport_options: dict[str, Any] | None = None,
+    key: bytes | None = None,
 ) -> DecodeWorker:
     """A decode role over kvstage's own cache, allocating local ids from its own pool."""
     eid = engine_id or f"decode-{os.urandom(4).hex()}"
@@ -72,7 +78,7 @@ def make_decode(
         KVCache(layout, device), make_transport(transport, eid, **(transport_options or {})),
         host_layout=HostLayout(host_layout), read_timeout_s=read_timeout_s,
         handshake_timeout_s=handshake_timeout_s, engine_id=eid,
-        pool=BlockPool(layout.num_blocks),
+        pool=BlockPool(layout.num_blocks), key=key,
     )
 
 
