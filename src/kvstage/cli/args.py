@@ -138,7 +138,8 @@ def key_from_args(args: argparse.Namespace, host: str, command: str) -> bytes | 
     (then one warning line on stderr)."""
     try:
         key = auth.load_key(args.key_file)
-        auth.check_bind(host, key, insecure=args.insecure)
+        auth.check_bind(host, key, insecure=args.insecure,
+                        action="listen on" if command == "prefill" else "connect to")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if key is None and not auth.is_loopback(host):

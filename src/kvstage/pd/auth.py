@@ -241,11 +241,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_bind(host: str, key: bytes | None, *, insecure: bool) -> None:
-    """Refuse to serve a non-loopback address without a key unless ``insecure``."""
+def check_bind(host: str, key: bytes | None, *, insecure: bool,
+               action: str = "listen on") -> None:
+    """Refuse to serve (or ``action``) a non-loopback address without a key unless
+    ``insecure``."""
     if key is None and not insecure and not is_loopback(host):
         raise InvalidRequest(
-            f"refusing to listen on {host} without a key: anyone who reaches the port "
+            f"refusing to {action} {host} without a key: anyone who reaches the port "
             f"could release requests and READ the host buffer. Give a shared key "
             f"(--key-file PATH or {KEY_ENV}) on prefill and decode, or pass --insecure"
         )
