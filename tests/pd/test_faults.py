@@ -158,8 +158,15 @@ def test_read_stalls_until_the_deadline(prefill: PrefillThread, decode: DecodeWo
     res = finish_read(decode, decode.start("r1", addr, done.block_ids,
                                           capability=done.capability))
     assert res.status == "failed" and res.reason.startswith("READ timed out after")
-    assert_decode_clean(decode)
+    # the READ may still write (late bytes): its blocks stay quarantined, not in the pool
+    num = sum(1 for g in res.local_block_ids for b in g if b)
+    assert decode.num_draining == 1 and decode.pool.num_free == NB - 1 - num
+    assert all(decode.in_flight(b) for g in res.local_block_ids for b in g if b)
     assert wait_prefill_free(addr).expired == 1
+    set_faults(decode)
+    assert decode.transport.resume_reads() == 1  # type: ignore[attr-defined]
+    decode.poll()  # the READ is over: now the blocks go back
+    assert_decode_clean(decode)
     assert_next_request_works(decode, addr, "r2")
 
 
@@ -179,6 +186,10 @@ def test_many_requests_aborted_mid_flight(prefill: PrefillThread, decode: Decode
     assert [r.status for r in ended] == ["aborted"] * 50
     assert all(r.reason == f"client went away ({r.request_id})" for r in ended)
     assert all(r is e for r, e in zip(results, ended, strict=True))  # same objects, updated
+    assert decode.num_draining == 50  # quarantined until the READs are over
+    set_faults(decode)
+    assert decode.transport.resume_reads() == 50  # type: ignore[attr-defined]
+    decode.poll()
     assert_decode_clean(decode)
     s = stats(addr)  # abort sends Release: prefill frees at once, not at lease end
     assert (s.released, s.expired, s.held_requests) == (50, 0, 0)

@@ -257,6 +257,10 @@ def test_read_beyond_the_remote_region_and_abort() -> None:
         decode.start("aborted", addr, done.block_ids, capability=done.capability)
         res = decode.abort("aborted", reason="caller gave up")
         assert (res.status, res.reason) == ("aborted", "caller gave up")
+        deadline = time.monotonic() + 10  # a READ still in flight is quarantined until over
+        while decode.num_draining and time.monotonic() < deadline:
+            decode.poll()
+            time.sleep(0.01)
         assert_decode_clean(decode)
         s = wait_prefill_free(addr, SMALL.num_blocks)
         assert s.expired == 1 and s.completed + s.released == 2

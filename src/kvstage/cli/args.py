@@ -152,3 +152,11 @@ def key_from_args(args: argparse.Namespace, host: str, command: str) -> bytes | 
 def add_json_argument(p: argparse.ArgumentParser, what: str = "the rows") -> None:
     p.add_argument("--json", default=None, metavar="PATH.json", type=writable_path(),
                    help=f"write {what} as JSON here")
+
+
+def add_integrity_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-checksum", action="store_true",
+                   help="end-to-end check: prefill hashes every block at d2h (xxh3-64), "
+                        "decode checks the READ bytes before h2d and fails a request whose "
+                        "bytes differ (code checksum_mismatch); set it on both sides "
+                        "(needs kvstage[integrity])")

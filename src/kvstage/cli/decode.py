@@ -26,6 +26,7 @@ from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import make_decode
 
 DEFAULT_PORT = 5600
+PREFILL_TIMEOUT_S = 60.0  # a PrefillRequest's answer (the prompt's "forward pass")
 #: the largest prompt a CLI decode asks for (gemma-3-1b: 8 GiB of KV at 2**24 tokens)
 MAX_PROMPT_TOKENS = 1 << 24
 
@@ -178,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
                 layout, device=args.device, host_layout=args.host_layout,
                 transport=args.transport, read_timeout_s=args.read_timeout_s,
                 handshake_timeout_s=args.handshake_timeout_s, key=key,
+                verify_checksum=args.verify_checksum,
             )
         except (OSError, RuntimeError, ValueError, ImportError) as exc:
             print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",

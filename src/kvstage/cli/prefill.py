@@ -30,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_layout_arguments(p)
     cli_args.add_ucx_arguments(p)
     cli_args.add_auth_arguments(p)
+    cli_args.add_integrity_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         worker = make_prefill(
             layout, host=host, port=port, device=args.device, host_layout=args.host_layout,
             lease_s=args.lease_s, transport=args.transport, key=key, insecure=args.insecure,
+            verify_checksum=args.verify_checksum,
         )
     except (OSError, RuntimeError, ValueError, ImportError) as exc:
         print(f"kvstage prefill: cannot start on {args.listen} ({ucx}): {exc}", file=sys.stderr)

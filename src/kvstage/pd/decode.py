@@ -4,10 +4,12 @@ Primitives (what an engine calls):
 - ``start(request_id, remote_addr, remote_block_ids, local_block_ids, capability=)``:
   handshake once per remote (authenticated with ``key``), confirm the remote lease with
   the request's capability (from prefill's PrefillDone), pair remote and local ids, merge
-  the pairs into runs (`pair_runs`) and post ONE READ whose descriptors are one per run
-  (block-major host) or one per run per tensor per plane (mirror).
-- ``poll()``: never blocks; a DONE READ is loaded to the device (h2d) and reported
-  ``done``; a FAILED or timed-out one is reported ``failed`` with the transport's reason.
+  the pairs into runs (`pair_runs`) and READ them: one descriptor per run (block-major
+  host) or per run per tensor per plane (mirror); with ``pipeline`` (default) in chunks
+  of runs, chunk k loaded to the device while k+1 is in flight (`kvstage.pd.pipeline`).
+- ``poll()``: advances READs and loads; a request whose every chunk is READ (and, with
+  ``verify_checksum``, hashes to prefill's digests: `kvstage.pd.integrity`) and loaded
+  is ``done``; a FAILED, timed-out or mismatching one is ``failed`` with a reason/code.
 - ``abort(request_id)``: stop waiting for a request and ask the prefill to release it.
 - ``finish(request_id)``: the caller is done with a request whose local ids the worker
   allocated from its pool.
@@ -16,11 +18,22 @@ Who owns what: the engine owns the device tensors (`KVCache.wrap`) and, when it 
 ``local_block_ids``, those ids: the worker refuses ids another in-flight request holds,
 and ids its own pool has not allocated. Without ``local_block_ids`` the worker's
 ``pool`` allocates them. The worker owns the host buffer (one registered allocation)
-and the injected `Transport`, which `close` closes. A handle the transport will not
-release yet keeps its local ids in flight (``num_draining``) until it can be released.
+and the injected `Transport`, which `close` closes.
+
+Late bytes (quarantine): host row b IS local block b (block-major), so a READ that
+may still write must keep its blocks. Over UCX tcp a READ of a stalled peer is not
+stopped by releasing its handle, nor by ``remove_peer``: when the peer resumes, the
+rest of its bytes land (RELIABILITY.md "Late bytes"). So a request that failed while
+a READ of it was PENDING keeps its handles and its local ids in flight (`LocalIds`:
+``num_draining``, ``in_flight(b)``; pool-owned ids are not freed) until the transport
+itself reports each transfer over (DONE or FAILED from ``poll``); only then are the
+handles released and the ids let go. A peer that never resumes nor dies keeps them
+quarantined: a leak, never a corruption. The engine reuses ids it passed only once
+``in_flight`` is False for each of them. (The alternative, a staging row per READ, would
+double host memory and add a copy.)
 
 Thread rules: one thread calls every method (NIXL agents are not guaranteed
-thread-safe).
+thread-safe); the pipeline's CPU loader thread only copies host rows to device blocks.
 """
 
 from __future__ import annotations
@@ -40,15 +53,18 @@ from kvstage.errors import (
     KVStageError,
     LayoutMismatch,
     PeerError,
-    PoolExhausted,
     ProtocolMismatch,
     TransportFailure,
     code_of,
 )
-from kvstage.pd import auth
+from kvstage.pd import auth, integrity
 from kvstage.pd import messages as m
+from kvstage.pd.local_ids import LocalIds
+from kvstage.pd.pipeline import Loader, ReadJob, split_runs
 from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
     ABORTED,
+    CHECKSUM_MISMATCH,
+    CHECKSUM_MISSING,
     DEFAULT_READ_TIMEOUT_S,
     READ_FAILED,
     READ_TIMEOUT,
@@ -58,7 +74,7 @@ from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public na
     pair_runs,
 )
 from kvstage.pd.side_channel import DEFAULT_TIMEOUT_S, SideChannelClient
-from kvstage.transport.base import TransferState, Transport
+from kvstage.transport.base import Transport
 
 
 def _finite_positive(name: str, value: float) -> float:
@@ -81,8 +97,15 @@ class DecodeWorker:
         engine_id: str | None = None,
         pool: BlockPool | None = None,
         key: bytes | None = None,
+        verify_checksum: bool = False,
+        pipeline: bool = True,
     ) -> None:
         try:
+            self.pipeline = bool(pipeline)  # chunked READ, h2d overlapped (`pd.pipeline`)
+            # per-block digests from prefill checked before h2d (`kvstage.pd.integrity`)
+            self.verify_checksum = bool(verify_checksum)
+            if self.verify_checksum:
+                integrity.check_available()
             self.key = key  # the side channel's shared key (`kvstage.pd.auth`), or None
             self.read_timeout_s = _finite_positive("read_timeout_s", read_timeout_s)
             self.handshake_timeout_s = _finite_positive("handshake_timeout_s",
@@ -93,6 +116,7 @@ class DecodeWorker:
             self.pool = pool
             self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
             self.engine = CopyEngine(cache, self.host)
+            self.loader = Loader(self.engine)
             self.transport = transport
             self.transport.register(self.host.data_ptr, self.host.nbytes)
         except Exception:
@@ -101,8 +125,7 @@ class DecodeWorker:
         self._remotes: dict[tuple[str, int], Remote] = {}
         self._pending: dict[str, _Pending] = {}
         self._owned: dict[str, list[list[int]]] = {}  # request -> local ids we allocated
-        self._draining: dict[int, list[list[int]]] = {}  # handle -> blocks held back
-        self._in_flight: dict[int, str] = {}  # local block id -> request (or handle) using it
+        self.ids = LocalIds(self.layout, pool, transport)  # in flight, quarantine
         self._closed = False
 
     # -- handshake ----------------------------------------------------------------------
@@ -152,41 +175,6 @@ class DecodeWorker:
         return remote
 
     # -- requests ---------------------------------------------------------------------------
-    def _claim_local(
-        self, remote_ids: Sequence[Sequence[int]],
-        local_block_ids: Sequence[Sequence[int]] | None,
-    ) -> tuple[list[list[int]], bool]:
-        """The request's local ids, checked: (ids, allocated here)."""
-        if local_block_ids is None:
-            if self.pool is None:
-                raise InvalidRequest(
-                    "local_block_ids is required: this decode worker has no BlockPool "
-                    "(the engine allocates the ids)"
-                )
-            counts = [len(g) for g in remote_ids]
-            if sum(counts) > self.pool.num_free:
-                raise PoolExhausted(
-                    f"request needs {sum(counts)} local blocks, {self.pool.num_free} are free"
-                )
-            return [self.pool.allocate(n) for n in counts], True
-        local = [list(g) for g in local_block_ids]
-        GroupedBlockIds(local, self.layout)  # shape, range and duplicate checks
-        pair_runs(remote_ids, local)  # pairing checks before ownership checks
-        busy = sorted({b for g in local for b in g if b and b in self._in_flight})
-        if busy:
-            raise InvalidRequest(
-                f"local blocks {busy[:8]} are in flight for request "
-                f"{self._in_flight[busy[0]]!r}; a block may receive one READ at a time"
-            )
-        if self.pool is not None:
-            free = sorted({b for g in local for b in g if b and self.pool.is_free(b)})
-            if free:
-                raise InvalidRequest(
-                    f"local blocks {free[:8]} were not allocated from this worker's pool "
-                    "(it would hand them out again); allocate them from decode.pool first"
-                )
-        return local, False
-
     def start(
         self,
         request_id: str,
@@ -209,12 +197,12 @@ class DecodeWorker:
             )
         remote_rid = remote_request_id or request_id
         GroupedBlockIds(remote_block_ids, self.layout)  # validates before anything happens
-        local, allocated = self._claim_local(remote_block_ids, local_block_ids)
+        local, allocated = self.ids.claim(remote_block_ids, local_block_ids)
         try:
             runs = pair_runs(remote_block_ids, local)
         except (ValueError, TypeError):
             if allocated:
-                self._free_blocks(local)
+                self.ids.free(local)
             raise
         if allocated:
             self._owned[request_id] = local
@@ -232,26 +220,40 @@ class DecodeWorker:
                 raise ProtocolMismatch(
                     f"unexpected answer to Acquire: {type(lease).__name__}"
                 )
-            local_d = self.host.descriptors(runs[:, 1], runs[:, 2])
-            remote_d = self._remote_descs(remote, runs)
-            result.num_descriptors = int(local_d.shape[0])
+            if self.verify_checksum and not lease.checksums:
+                self._release_remote(remote_addr, remote_rid, capability)
+                return self._fail(result, "prefill sent no checksums: start it with "
+                                  "verify_checksum (--verify-checksum) too",
+                                  code=CHECKSUM_MISSING)
+            digests = (integrity.digest_map(remote_block_ids, lease.checksums)
+                       if self.verify_checksum else None)
+            chunks = (split_runs(runs, self.layout.block_bytes) if self.pipeline
+                      else [runs])
+            job = ReadJob(chunks, remote.peer, auth.completion_notif(remote_rid, capability),
+                          post=lambda r, notif: self._post(remote, r, notif),
+                          verify=lambda r: self._verify(r, digests))
+            result.num_descriptors = sum(
+                int(self.host.descriptors(c[:, 1], c[:, 2]).shape[0]) for c in chunks)
+            result.num_chunks = len(chunks)
             started = time.monotonic()
-            handle = self.transport.read(remote.peer, local_d, remote_d,
-                                         auth.completion_notif(remote_rid, capability))
+            job.post_window()
         except Exception as exc:  # every failure ends as a failed request, never a crash
             if isinstance(exc, TransportFailure):
                 self._forget((remote_addr[0], remote_addr[1]))
             code = exc.remote_code if isinstance(exc, PeerError) else code_of(exc)
-            return self._fail(result, f"{type(exc).__name__}: {exc}", code=code)
+            job_or_none = locals().get("job")
+            return self._fail(result, f"{type(exc).__name__}: {exc}", code=code,
+                              job=job_or_none if isinstance(job_or_none, ReadJob) else None)
         budget = min(self.read_timeout_s, lease.remaining_s)
         self._pending[request_id] = _Pending(
-            result, remote, remote_rid, handle, started, started + budget, capability
+            result, remote, remote_rid, job, started, started + budget, capability,
         )
-        for g in local:
-            for b in g:
-                if b:
-                    self._in_flight[b] = request_id
+        self.ids.mark(local, request_id)
         return result
+
+    def _post(self, remote: Remote, runs: np.ndarray, notif: bytes) -> int:
+        return self.transport.read(remote.peer, self.host.descriptors(runs[:, 1], runs[:, 2]),
+                                   self._remote_descs(remote, runs), notif)
 
     def _remote_descs(self, remote: Remote, runs: np.ndarray) -> np.ndarray:
         # the remote buffer has our layout (checked at handshake): shift addresses only
@@ -260,35 +262,48 @@ class DecodeWorker:
         return local
 
     def poll(self) -> list[RequestResult]:
-        """Advance every pending READ without blocking; returns requests that ended."""
-        self._retry_draining()
+        """Advance every pending READ without blocking (with CMA a chunk's READ runs inside
+        its post); returns requests that ended."""
+        self.ids.retry()
         ended = []
-        now = time.monotonic()
         for rid, p in list(self._pending.items()):
             try:
-                state = self.transport.poll(p.handle)
+                state, why = p.job.advance(self.transport, self.loader)
             except Exception as exc:
-                state, why, code = TransferState.FAILED, f"poll failed: {exc}", READ_FAILED
-            else:
-                code = READ_FAILED
-                why = self.transport.failure_reason(p.handle) or (
-                    "the transport reported the READ failed (peer gone or remote memory "
-                    "invalid)"
-                )
-            if state is TransferState.PENDING and now < p.deadline:
-                continue
+                state, why = "failed", f"poll failed: {exc}"
+            now = time.monotonic()
+            if state == "pending" and (now < p.deadline or p.job.read_done):
+                continue  # (after the last READ only loads are left: no deadline)
             del self._pending[rid]
-            p.result.read_s = now - p.started
-            if state is TransferState.DONE:
-                self._release(p.handle, None, p.result.local_block_ids)
-                ended.append(self._finish(p.result, p))
-            else:
-                if state is TransferState.PENDING:
-                    why = f"READ timed out after {now - p.started:.2f} s"
-                    code = READ_TIMEOUT
+            p.result.read_s = (p.job.read_done or now) - p.started
+            if state == "done":
+                ended.append(self._done(p, now))
+                continue
+            code = {"checksum": CHECKSUM_MISMATCH, "pending": READ_TIMEOUT}.get(state,
+                                                                              READ_FAILED)
+            if state == "pending":
+                why = f"READ timed out after {now - p.started:.2f} s"
+            elif state == "failed":
+                why = why or ("the transport reported the READ failed (peer gone or remote "
+                              "memory invalid)")
+            if state != "checksum":
                 self._forget((p.remote.host, p.remote.port), p.remote)
-                ended.append(self._fail(p.result, why, handle=p.handle, code=code))
+            ended.append(self._fail(p.result, why, code=code, job=p.job))
+            if state == "checksum" and not p.job.single:  # no chunk carried the notification
+                self._release_remote((p.remote.host, p.remote.port), p.remote_request_id,
+                                     p.capability)
         return ended
+
+    def _done(self, p: _Pending, now: float) -> RequestResult:
+        """Every chunk READ and loaded: release, notify prefill (multi-chunk), report."""
+        p.result.h2d_s = p.job.drain_loads()
+        self.ids.release(p.job.handles_all(), None, p.result.local_block_ids)
+        if not p.job.single:  # the notification no chunk carried (module doc of pd.pipeline)
+            with contextlib.suppress(Exception):  # else prefill's lease frees it
+                self.transport.send_notif(p.job.peer, p.job.notif)
+        p.result.decode_s = now - p.started
+        p.result.status = "done"
+        return p.result
 
     def _forget(self, key: tuple[str, int], remote: Remote | None = None) -> None:
         """Drop a cached handshake after a READ failed in the transport: the prefill may
@@ -314,22 +329,31 @@ class DecodeWorker:
         p = self._pending.pop(request_id, None)
         if p is None:
             raise InvalidRequest(f"request {request_id!r} is not pending (unknown or ended)")
-        result = self._fail(p.result, reason, handle=p.handle, code=ABORTED)
+        result = self._fail(p.result, reason, code=ABORTED, job=p.job)
         result.status = "aborted"
-        # best effort: let prefill free now instead of at lease expiry
-        with contextlib.suppress(Exception):
-            self.client(p.remote.host, p.remote.port).call(
-                m.Release(request_id=p.remote_request_id, capability=p.capability),
-                timeout_s=1.0,
-            )
+        self._release_remote((p.remote.host, p.remote.port), p.remote_request_id,
+                             p.capability)
         return result
+
+    def _release_remote(self, addr: tuple[str, int], rid: str, capability: bytes) -> None:
+        """Best effort: let prefill free now instead of at lease expiry."""
+        with contextlib.suppress(Exception):
+            self.client(*addr).call(m.Release(request_id=rid, capability=capability),
+                                    timeout_s=1.0)
+
+    def _verify(self, runs: np.ndarray, digests: dict[int, int] | None) -> str:
+        """'' when checksums are off or every block of ``runs`` hashes to prefill's digest."""
+        if not self.verify_checksum:
+            return ""
+        bad = integrity.run_mismatches(self.host, runs, digests)
+        return integrity.describe(bad, int(runs[:, 2].sum())) if bad else ""
 
     def finish(self, request_id: str) -> None:
         """The caller is done with a ready request: return its local blocks to the pool."""
         ids = self._owned.pop(request_id, None)
         if ids is None:
             raise InvalidRequest(f"request {request_id!r} holds no local blocks of this worker")
-        self._free_blocks(ids)
+        self.ids.free(ids)
 
     def _finish(self, result: RequestResult, p: _Pending | None) -> RequestResult:
         start = time.perf_counter()
@@ -338,55 +362,18 @@ class DecodeWorker:
         result.status = "done"
         return result
 
-    def _fail(self, result: RequestResult, reason: str, handle: int | None = None, *,
-              code: str = "error") -> RequestResult:
+    def _fail(self, result: RequestResult, reason: str, *, code: str = "error",
+              job: ReadJob | None = None) -> RequestResult:
+        """Fail a request: its loads are waited for, then its ids are let go, or kept
+        quarantined while a chunk's READ may still write (module doc)."""
         result.status, result.reason, result.code = "failed", reason, code
         owned = self._owned.pop(result.request_id, None)
-        self._release(handle, owned, result.local_block_ids)
+        if job is not None:
+            job.drain_loads()
+        self.ids.end(job.handles_all() if job else [], job.handles_open() if job else [],
+                     owned, result.local_block_ids)
         return result
 
-    def _release(self, handle: int | None, owned: list[list[int]] | None,
-                 local: list[list[int]]) -> None:
-        """Release a handle, then let the local ids go (back to the pool when the worker
-        allocated them); if the transport refuses, keep both in flight."""
-        if handle is not None:
-            try:
-                self.transport.release(handle)
-            except Exception:
-                self._draining[handle] = owned or []
-                for g in local:
-                    for b in g:
-                        if b:
-                            self._in_flight[b] = f"draining handle {handle}"
-                return
-        self._unmark(local)
-        if owned:
-            self._free_blocks(owned)
-
-    def _unmark(self, local: list[list[int]]) -> None:
-        for g in local:
-            for b in g:
-                self._in_flight.pop(b, None)
-
-    def _free_blocks(self, ids: list[list[int]]) -> None:
-        assert self.pool is not None  # only ids the pool allocated are freed here
-        for g in ids:
-            self.pool.free(g)
-
-    def _retry_draining(self) -> None:
-        for handle, blocks in list(self._draining.items()):
-            try:
-                self.transport.release(handle)
-            except InvalidRequest:
-                pass  # already gone
-            except Exception:
-                continue
-            del self._draining[handle]
-            tag = f"draining handle {handle}"
-            for b in [b for b, who in self._in_flight.items() if who == tag]:
-                del self._in_flight[b]
-            if blocks:
-                self._free_blocks(blocks)
 
     @property
     def num_pending(self) -> int:
@@ -394,11 +381,12 @@ class DecodeWorker:
 
     @property
     def num_draining(self) -> int:
-        return len(self._draining)
+        """Quarantined READs (their ids wait for the transfer to be over)."""
+        return len(self.ids.draining)
 
     def in_flight(self, block_id: int) -> bool:
         """True while a READ may still write local block ``block_id``."""
-        return block_id in self._in_flight
+        return block_id in self.ids.in_flight
 
     def close(self) -> None:
         if self._closed:
@@ -406,7 +394,9 @@ class DecodeWorker:
         self._closed = True
         for rid in list(self._pending):
             self.abort(rid, reason="decode worker closed")
-        self.transport.close()
+        self.transport.close()  # no READ of a closed transport writes: let all go
+        self.loader.close()
+        self.ids.drop_all()
 
     def __enter__(self) -> DecodeWorker:
         return self

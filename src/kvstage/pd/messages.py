@@ -83,6 +83,9 @@ class PrefillDone(Message, tag="prefill_done"):
     #: the request's capability: Acquire, Release and the completion notification must
     #: carry it (`kvstage.pd.auth`); hand it to decode with the block ids
     capability: bytes = b""
+    #: per-block xxh3-64 digests aligned with block_ids (`kvstage.pd.integrity`); empty
+    #: when prefill runs without verify_checksum
+    checksums: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class GetStats(Message, tag="get_stats"):
@@ -100,6 +103,7 @@ class Acquire(Message, tag="acquire"):
 class Lease(Message, tag="lease"):
     request_id: str
     remaining_s: float
+    checksums: list[list[int]] = msgspec.field(default_factory=list)  # as PrefillDone's
 
 
 class Stats(Message, tag="stats"):

@@ -44,7 +44,7 @@ from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine, CopyStats
 from kvstage.errors import InvalidRequest, KVStageError, NotHeld, Unauthorized, code_of
-from kvstage.pd import auth
+from kvstage.pd import auth, integrity
 from kvstage.pd import messages as m
 from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
 from kvstage.transport.base import Transport
@@ -67,6 +67,7 @@ class _Request:
     nbytes: int = 0
     capability: bytes = b""  # issued by hold()
     hold_until: float = 0.0  # no renewal past this (held at + max_hold_s)
+    digests: dict[int, int] = field(default_factory=dict)  # verify_checksum: id -> xxh3
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PrefillWorker:
         key: bytes | None = None,
         insecure: bool = False,
         max_hold_s: float | None = None,
+        verify_checksum: bool = False,
     ) -> None:
         if not (isinstance(lease_s, int | float) and 0 < lease_s < float("inf")):
             transport.close()
@@ -110,6 +112,10 @@ class PrefillWorker:
         self.layout = cache.layout
         self.lease_s = float(lease_s)
         self.max_hold_s = float(max_hold)
+        # per-block digests at d2h, sent with the lease (`kvstage.pd.integrity`)
+        self.verify_checksum = bool(verify_checksum)
+        if self.verify_checksum:
+            integrity.check_available()
         self.engine_id = engine_id or f"prefill-{uuid.uuid4().hex[:8]}"
         self.cache = cache
         self.pool = pool
@@ -162,6 +168,10 @@ class PrefillWorker:
         stats = self.engine.save_to_host(ids)
         if req is None:
             req = self._requests[request_id] = _Request([[] for _ in block_ids])
+        if self.verify_checksum:  # after the copy (synchronised): the bytes decode reads
+            flat = [b for g in ids.groups for b in g if b]
+            req.digests.update(zip(flat, integrity.block_digests(self.host, flat),
+                                   strict=True))
         for have, new in zip(req.block_ids, ids.groups, strict=True):
             seen = set(have)
             have.extend(b for b in new if b not in seen)
@@ -185,8 +195,13 @@ class PrefillWorker:
         return m.PrefillDone(
             request_id=request_id, block_ids=[list(g) for g in req.block_ids],
             d2h_s=req.d2h_s, nbytes=req.nbytes, lease_s=self.lease_s,
-            capability=req.capability,
+            capability=req.capability, checksums=self._checksums(req),
         )
+
+    def _checksums(self, req: _Request) -> list[list[int]]:
+        if not self.verify_checksum:
+            return []
+        return [[req.digests.get(b, 0) for b in g] for g in req.block_ids]
 
     def release(self, request_id: str) -> None:
         """Free a request's blocks now (held or only saved)."""
@@ -286,7 +301,8 @@ class PrefillWorker:
             # like vLLM's heartbeats: a decode about to READ extends the lease, within
             # the bound on the total hold
             req.deadline = min(now + self.lease_s, req.hold_until)
-            return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now)
+            return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now,
+                           checksums=self._checksums(req))
         if isinstance(msg, m.Release):
             self._authorized(msg.request_id, msg.capability)
             self.release(msg.request_id)

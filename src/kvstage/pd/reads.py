@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,8 @@ DEFAULT_READ_TIMEOUT_S = 10.0
 READ_TIMEOUT = "read_timeout"
 READ_FAILED = "read_failed"
 ABORTED = "aborted"
+CHECKSUM_MISMATCH = "checksum_mismatch"  # the READ's bytes do not hash to prefill's digests
+CHECKSUM_MISSING = "checksum_missing"  # verify_checksum here, prefill sent no digests
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,10 @@ class RequestResult:
     nbytes: int = 0
     num_descriptors: int = 0
     num_runs: int = 0
-    read_s: float = 0.0
-    h2d_s: float = 0.0
+    read_s: float = 0.0  # READ posted -> last chunk's READ DONE
+    h2d_s: float = 0.0  # copy time of the loads (overlapping the READ when pipelined)
+    decode_s: float = 0.0  # READ posted -> last load done: what the pipeline shortens
+    num_chunks: int = 0
 
     @property
     def ok(self) -> bool:
@@ -60,7 +65,7 @@ class _Pending:
     result: RequestResult
     remote: Remote
     remote_request_id: str
-    handle: int
+    job: Any  # pipeline.ReadJob: the request's chunked READ
     started: float
     deadline: float
     capability: bytes = b""  # the request's token at prefill (Release carries it)

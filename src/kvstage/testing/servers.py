@@ -46,6 +46,7 @@ def make_prefill(
     key: bytes | None = None,
     insecure: bool = False,
     max_hold_s: float | None = None,
+    verify_checksum: bool = False,
 ) -> PrefillWorker:
     """A prefill role over kvstage's own cache and pool, writing the pattern as KV
     (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`)."""
@@ -56,7 +57,7 @@ def make_prefill(
         cache, make_transport(transport, eid, **(transport_options or {})),
         host_layout=HostLayout(host_layout), lease_s=lease_s, host=host, port=port,
         engine_id=eid, pool=pool, producer=PatternProducer(cache, pool), key=key,
-        insecure=insecure, max_hold_s=max_hold_s,
+        insecure=insecure, max_hold_s=max_hold_s, verify_checksum=verify_checksum,
     )
 
 
@@ -71,6 +72,7 @@ def make_decode(
     engine_id: str | None = None,
     transport_options: dict[str, Any] | None = None,
     key: bytes | None = None,
+    verify_checksum: bool = False,
 ) -> DecodeWorker:
     """A decode role over kvstage's own cache, allocating local ids from its own pool."""
     eid = engine_id or f"decode-{os.urandom(4).hex()}"
@@ -78,7 +80,7 @@ def make_decode(
         KVCache(layout, device), make_transport(transport, eid, **(transport_options or {})),
         host_layout=HostLayout(host_layout), read_timeout_s=read_timeout_s,
         handshake_timeout_s=handshake_timeout_s, engine_id=eid,
-        pool=BlockPool(layout.num_blocks), key=key,
+        pool=BlockPool(layout.num_blocks), key=key, verify_checksum=verify_checksum,
     )
 
 

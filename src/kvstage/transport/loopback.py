@@ -8,8 +8,11 @@ notification on the peer; it completes inside ``read`` but is only reported by
 
 Fault injection (constructor flags, tests only): ``fail_reads`` (FAILED, nothing
 copied, no notification), ``drop_notifs`` (bytes move, notifications are lost),
-``stall_reads`` (PENDING forever, nothing copied). The real transport is
-``kvstage.transport.nixl``; this fake exists for faults, not to stand in for it.
+``stall_reads`` (PENDING, nothing copied, until ``resume_reads()``: then the bytes land
+and the READ is DONE, its notification sent; like UCX tcp with a SIGSTOPped peer, a
+stalled READ still writes on resume even after its handle was released: late bytes).
+The real transport is ``kvstage.transport.nixl``; this fake exists for faults, not to
+stand in for it.
 """
 
 from __future__ import annotations
@@ -69,6 +72,8 @@ class LoopbackTransport(ClosingContext):
         self._states: dict[int, TransferState] = {}
         self._reasons: dict[int, str] = {}
         self._inbox: list[tuple[str, bytes]] = []
+        # stalled READs: handle -> (target, local, remote, notif); released ones stay
+        self._stalled: dict[int, tuple[LoopbackTransport, np.ndarray, np.ndarray, bytes]] = {}
         # prefill and decode may poll from different threads (soak, tests)
         self._inbox_lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -134,16 +139,32 @@ class LoopbackTransport(ClosingContext):
         handle = next(self._ids)
         if self.stall_reads:
             self._states[handle] = TransferState.PENDING
+            self._stalled[handle] = (target, local.copy(), remote.copy(), bytes(notif))
         elif self.fail_reads:
             self._states[handle] = TransferState.FAILED
             self._reasons[handle] = "fail_reads=True (fault injection)"
         else:
-            for (dst, nbytes), (src, _) in zip(local.tolist(), remote.tolist(), strict=True):
-                ctypes.memmove(dst, src, nbytes)
-            self._states[handle] = TransferState.DONE
-            if not self.drop_notifs:
-                target._deliver(self.name, bytes(notif))
+            self._states[handle] = TransferState.PENDING
+            self._complete(handle, target, local, remote, notif)
         return handle
+
+    def _complete(self, handle: int, target: LoopbackTransport, local: np.ndarray,
+                  remote: np.ndarray, notif: bytes) -> None:
+        for (dst, nbytes), (src, _) in zip(local.tolist(), remote.tolist(), strict=True):
+            ctypes.memmove(dst, src, nbytes)
+        if handle in self._states:  # a released handle's bytes land all the same
+            self._states[handle] = TransferState.DONE
+        if notif and not self.drop_notifs:  # as NIXL: an empty notif_msg sends nothing
+            target._deliver(self.name, bytes(notif))
+
+    def resume_reads(self) -> int:
+        """Complete every stalled READ now (released ones too); returns how many."""
+        self._check_open()
+        stalled, self._stalled = self._stalled, {}
+        for handle, (target, local, remote, notif) in stalled.items():
+            if not target._closed:
+                self._complete(handle, target, local, remote, notif)
+        return len(stalled)
 
     def poll(self, handle: int) -> TransferState:
         self._check_open()
@@ -191,6 +212,7 @@ class LoopbackTransport(ClosingContext):
         self._closed = True
         self._states.clear()
         self._reasons.clear()
+        self._stalled.clear()
         self._regions.clear()
         self._tensors.clear()
         self._peers.clear()

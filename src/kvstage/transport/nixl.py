@@ -84,6 +84,7 @@ class _State:
         self.regions: list[MemoryRegion] = []
         self.tensors: list[torch.Tensor] = []  # keeps registered tensors alive
         self.peers: set[str] = set()
+        self.peer_meta: dict[bytes, str] = {}  # metadata loaded -> peer name
         self.xfers: dict[int, Any] = {}  # our handle id -> nixl_xfer_handle
         self.final: dict[int, TransferState] = {}  # DONE/FAILED seen once, kept
         self.reasons: dict[int, str] = {}
@@ -102,7 +103,7 @@ class _State:
             # A dead peer or an uncancellable in-flight READ must not stop the rest.
             with contextlib.suppress(Exception):
                 fn(arg)
-        for container in (self.xfers, self.final, self.reasons, self.peers):
+        for container in (self.xfers, self.final, self.reasons, self.peers, self.peer_meta):
             container.clear()
         self.reg_dlists.clear()
         self.regions.clear()
@@ -197,6 +198,12 @@ class NixlTransport(ClosingContext):
         st = self._open()
         if not isinstance(metadata, bytes | bytearray | memoryview):
             raise TypeError(f"add_peer() takes the peer's metadata() bytes; got {type(metadata)}")
+        known = st.peer_meta.get(bytes(metadata))
+        if known in st.peers:
+            # loading an agent again invalidates its in-flight READs in NIXL (their state
+            # turns NIXL_ERR_NOT_FOUND while UCX may still write): a re-handshake with the
+            # same agent must not, or a quarantined READ would look over
+            return known
         try:
             name = st.agent.add_remote_agent(bytes(metadata))
         except Exception as e:
@@ -211,6 +218,7 @@ class NixlTransport(ClosingContext):
             ) from e
         name = name.decode() if isinstance(name, bytes) else str(name)
         st.peers.add(name)
+        st.peer_meta[bytes(metadata)] = name
         return name
 
     def remove_peer(self, name: str) -> None:

@@ -1,0 +1,110 @@
+"""End-to-end integrity (opt-in): one 64-bit digest per block, prefill d2h -> decode h2d.
+
+Prefill hashes the host rows of every block it saves (``PrefillWorker(verify_checksum=
+True)``, at d2h, after the copy) and sends the digests with the lease (``Lease.checksums``,
+also ``PrefillDone.checksums``): one list per group, aligned with the request's block ids.
+Decode (``DecodeWorker(verify_checksum=True)``) hashes the host rows it READ, before the
+h2d, and compares them pair by pair; a mismatch fails the request with code
+``checksum_mismatch`` and nothing reaches the device. Per block rather than per request:
+decode may read only a suffix of a group (vLLM's prefix trim), and a per-block digest
+names the blocks that differ.
+
+Hash: xxHash3-64 (``xxhash`` package, extra ``integrity``). crc32c was as fast on 2 MiB
+rows and slower on small ones (BENCHMARKS.md "Integrity"), and 64 bits make an
+undetected corruption of a block ~2**-64 instead of 2**-32. The one import of xxhash.
+
+A block is hashed over its bytes in host order: the block-major row (one range), or,
+in the mirror host layout, its slice of every tensor and plane in tensor-major order.
+Both sides share the layout (checked at handshake), so the same bytes give the same digest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from kvstage.cache import HostBuffer
+
+CHECKSUM = "xxh3_64"
+INTEGRITY_MISSING = "checksums need the xxhash package: pip install 'kvstage[integrity]'"
+
+
+def _xxhash() -> ModuleType:
+    try:
+        return importlib.import_module("xxhash")
+    except ImportError as exc:
+        raise ImportError(INTEGRITY_MISSING) from exc
+
+
+def check_available() -> None:
+    """Raise ImportError with the install hint when the hash library is missing."""
+    _xxhash()
+
+
+def _bytes(host: HostBuffer) -> torch.Tensor:
+    """The storage as uint8: block-major ``[NB, row]``, mirror ``[T * P, NB, plane]``."""
+    s = host.storage
+    if host.block_major:
+        return s.view(s.shape[0], -1).view(torch.uint8)
+    t, p, nb, _ = s.shape
+    return s.view(t * p, nb, -1).view(torch.uint8)
+
+
+def block_digests(host: HostBuffer, block_ids: Sequence[int]) -> list[int]:
+    """xxh3-64 of each block's host bytes, in the order of ``block_ids`` (null -> 0)."""
+    xx = _xxhash()
+    raw = _bytes(host)
+    out = []
+    if host.block_major:
+        rows = raw.numpy()
+        for b in block_ids:
+            out.append(xx.xxh3_64_intdigest(memoryview(rows[b])) if b else 0)
+        return out
+    planes = raw.numpy()
+    for b in block_ids:
+        if not b:
+            out.append(0)
+            continue
+        h = xx.xxh3_64()
+        for plane in planes:
+            h.update(memoryview(plane[b]))
+        out.append(h.intdigest())
+    return out
+
+
+def digest_map(remote_ids: Sequence[Sequence[int]],
+               checksums: Sequence[Sequence[int]]) -> dict[int, int] | None:
+    """Remote block id -> prefill's digest; None when ``checksums`` is not one digest per
+    block of ``remote_ids`` (then every block counts as wrong)."""
+    if len(checksums) != len(remote_ids) or any(
+        len(c) != len(r) for c, r in zip(checksums, remote_ids, strict=True)
+    ):
+        return None
+    return {int(b): int(d) for r, c in zip(remote_ids, checksums, strict=True)
+            for b, d in zip(r, c, strict=True) if b}
+
+
+def run_mismatches(host: HostBuffer, runs: np.ndarray,
+                   digests: dict[int, int] | None) -> list[tuple[int, int]]:
+    """``(remote id, local id)`` of every block of ``runs`` ([R, 3] remote start, local
+    start, n) whose local host bytes do not hash to prefill's digest."""
+    src = np.concatenate([np.arange(s, s + n) for s, _, n in runs.tolist()]).tolist()
+    dst = np.concatenate([np.arange(d, d + n) for _, d, n in runs.tolist()]).tolist()
+    if digests is None:
+        return list(zip(src, dst, strict=True))
+    got = block_digests(host, dst)
+    return [(r, loc) for r, loc, g in zip(src, dst, got, strict=True) if digests.get(r) != g]
+
+
+def describe(bad: list[tuple[int, int]], num_blocks: int) -> str:
+    """One line for people: how many blocks differ and the first few."""
+    shown = ", ".join(f"remote {r} -> local {loc}" for r, loc in bad[:4])
+    return (
+        f"checksum mismatch: {len(bad)} of {num_blocks} blocks differ after the READ "
+        f"({shown}{', ...' if len(bad) > 4 else ''}); nothing of them was loaded to the "
+        "device"
+    )

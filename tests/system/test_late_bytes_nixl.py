@@ -1,0 +1,151 @@
+"""Late bytes of a timed-out READ (real NIXL, UCX tcp, prefill SIGSTOPped mid-READ).
+
+UCX over tcp keeps the GET of a stalled peer alive: when the peer resumes, the rest of
+its bytes are written into decode's host rows even after NIXL released the handle (and
+even after ``remove_remote_agent``). The guarantee under test: those rows (= decode's
+local block ids, block-major host buffer) are handed to no other request until the
+transfer is over, so a later request from a healthy prefill stays byte-exact.
+
+Children are SIGCONTed and stopped in ``finally``; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvstage.blocks import GroupedBlockIds
+from kvstage.errors import PoolExhausted
+from kvstage.pd import messages as m
+from kvstage.pd.decode import READ_TIMEOUT, DecodeWorker, RequestResult
+from kvstage.pd.side_channel import SideChannelClient
+from kvstage.presets import preset
+from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillProcess, make_decode
+
+pytestmark = pytest.mark.nixl
+
+LARGE = preset("llama-3.1-8b", num_blocks=80, block_size=16)  # 2 MiB a block
+K = 30  # blocks of the stalled request: 60 MiB, far from done 5 ms after the post
+TCP = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo"}
+
+
+@contextlib.contextmanager
+def children(n: int, **options: Any) -> Iterator[list[PrefillProcess]]:
+    procs = [PrefillProcess(LARGE, transport="nixl", **options) for _ in range(n)]
+    try:
+        for p in procs:
+            p.wait_ready()
+        yield procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)
+            p.stop()
+
+
+def prefill(addr: tuple[str, int], rid: str, blocks: int, seed: int) -> m.PrefillDone:
+    msg = m.PrefillRequest(request_id=rid, num_tokens=blocks * 16, seed=seed)
+    done = SideChannelClient(*addr, timeout_s=30.0).call(msg)
+    assert isinstance(done, m.PrefillDone), done
+    return done
+
+
+def start(decode: DecodeWorker, addr: tuple[str, int], rid: str, blocks: int,
+          seed: int) -> RequestResult:
+    done = prefill(addr, rid, blocks, seed)
+    return decode.start(rid, addr, done.block_ids, capability=done.capability)
+
+
+def run(decode: DecodeWorker, res: RequestResult, timeout_s: float = 30.0) -> RequestResult:
+    deadline = time.monotonic() + timeout_s
+    while res.status == "pending" and time.monotonic() < deadline:
+        decode.poll()
+        time.sleep(0.002)
+    assert res.status != "pending", f"{res.request_id} still pending after {timeout_s} s"
+    return res
+
+
+def settle(decode: DecodeWorker, seconds: float, until_drained: float = 0.0) -> None:
+    """Poll for ``seconds`` (late bytes land meanwhile), and on until nothing is
+    quarantined, at most ``until_drained`` more seconds."""
+    start = time.monotonic()
+    while time.monotonic() - start < seconds or (
+        decode.num_draining and time.monotonic() - start < seconds + until_drained
+    ):
+        decode.poll()
+        time.sleep(0.01)
+
+
+def reloaded_ok(decode: DecodeWorker, res: RequestResult, seed: int) -> list[str]:
+    """h2d the request's host rows again and compare with the pattern: what its KV would
+    be had the late bytes landed before the load."""
+    decode.engine.load_to_device(GroupedBlockIds(res.local_block_ids, decode.layout))
+    return verify_request(decode.cache, res.local_block_ids, seed)
+
+
+@pytest.mark.timeout(300)
+def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for key, value in TCP.items():  # this process and the spawned children
+        monkeypatch.setenv(key, value)
+    with children(2, lease_s=60.0) as (stalled, healthy), make_decode(
+        LARGE, transport="nixl", read_timeout_s=2.0, handshake_timeout_s=10.0
+    ) as decode:
+        a, b = stalled.wait_ready(), healthy.wait_ready()
+        for addr, rid in ((a, "warm-a"), (b, "warm-b")):  # endpoints up, pages touched
+            res = run(decode, start(decode, addr, rid, 2, 1))
+            assert res.ok, res.reason
+            decode.finish(rid)
+        assert decode.pool is not None
+        filler = decode.pool.allocate(decode.pool.num_free - K)  # r1 takes the last K
+        r1_done = prefill(a, "r1", K, seed=5)
+        original = decode.transport.read
+
+        def read_then_stop(*args: Any) -> int:
+            handle = original(*args)
+            time.sleep(0.005)
+            os.kill(stalled.pid, signal.SIGSTOP)  # mid-READ: most bytes not sent yet
+            return handle
+
+        decode.transport.read = read_then_stop  # type: ignore[method-assign]
+        r1 = decode.start("r1", a, r1_done.block_ids, capability=r1_done.capability)
+        del decode.transport.read
+        r1 = run(decode, r1)
+        assert (r1.status, r1.code) == ("failed", READ_TIMEOUT), r1
+        r1_ids = sorted(r1.local_block_ids[0])
+        assert len(r1_ids) == K
+
+        # the next request, from the healthy prefill, needs K blocks
+        r2: RequestResult | None
+        try:
+            r2 = start(decode, b, "r2", K, seed=6)
+        except PoolExhausted:
+            r2 = None  # r1's blocks are still quarantined: nothing else to hand out
+        if r2 is not None:
+            r2 = run(decode, r2)
+        os.kill(stalled.pid, signal.SIGCONT)  # the late bytes of r1 now arrive
+        settle(decode, 3.0, until_drained=30.0)
+        if r2 is not None:  # r2 got blocks: they must still hold r2's KV, byte for byte
+            assert r2.ok, r2.reason
+            assert reloaded_ok(decode, r2, 6) == []
+        assert r2 is None, "r1's blocks were handed out while its READ could still write"
+        # the stalled READ is over: its blocks go back to the pool, exactly once
+        assert decode.num_draining == 0 and decode.transport.num_open_handles == 0
+        assert not any(decode.in_flight(blk) for blk in r1_ids)
+        assert decode.pool.num_free == K
+        r3 = run(decode, start(decode, b, "r3", K, seed=7))
+        assert r3.ok, r3.reason
+        assert sorted(r3.local_block_ids[0]) == r1_ids  # the very rows r1 was reading
+        settle(decode, 1.0)
+        assert reloaded_ok(decode, r3, 7) == []
+        decode.finish("r3")
+        decode.pool.free(filler)
+        assert decode.pool.num_free == LARGE.num_blocks - 1

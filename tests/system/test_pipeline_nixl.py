@@ -1,0 +1,100 @@
+"""The decode pipeline over real NIXL (UCX on 127.0.0.1): chunked READs byte-exact, the
+completion notification sent once after the last chunk, and a fault in a middle chunk.
+Prefill in a child process (stopped in ``finally``); every wait bounded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvstage.errors import TransportFailure
+from kvstage.pd import messages as m
+from kvstage.pd.decode import DecodeWorker, RequestResult
+from kvstage.pd.side_channel import SideChannelClient
+from kvstage.presets import preset
+from kvstage.testing.pattern import verify_request
+from kvstage.testing.servers import PrefillProcess, make_decode
+
+pytestmark = pytest.mark.nixl
+
+LARGE = preset("llama-3.1-8b", num_blocks=80, block_size=16)  # 2 MiB a block
+LEASE_S = 10.0
+
+
+def call(addr: tuple[str, int], msg: m.Message) -> Any:
+    return SideChannelClient(*addr, timeout_s=30.0).call(msg)
+
+
+def start(decode: DecodeWorker, addr: tuple[str, int], rid: str, blocks: int,
+          seed: int) -> RequestResult:
+    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=blocks * 16, seed=seed))
+    assert isinstance(done, m.PrefillDone)
+    return decode.start(rid, addr, done.block_ids, capability=done.capability)
+
+
+def finish(decode: DecodeWorker, res: RequestResult, timeout_s: float = 30.0) -> RequestResult:
+    deadline = time.monotonic() + timeout_s
+    while res.status == "pending" and time.monotonic() < deadline:
+        decode.poll()
+        time.sleep(0.0005)
+    assert res.status != "pending"
+    return res
+
+
+def stats_when_free(addr: tuple[str, int], timeout_s: float = LEASE_S + 10) -> m.Stats:
+    deadline = time.monotonic() + timeout_s
+    s = call(addr, m.GetStats())
+    while s.held_requests and time.monotonic() < deadline:
+        time.sleep(0.05)
+        s = call(addr, m.GetStats())
+    assert s.held_requests == 0 and s.free_blocks == LARGE.num_blocks - 1, s
+    return s
+
+
+@pytest.mark.timeout(300)
+def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
+    with PrefillProcess(LARGE, transport="nixl", lease_s=LEASE_S) as child, make_decode(
+        LARGE, transport="nixl", read_timeout_s=8.0, handshake_timeout_s=20.0
+    ) as decode:
+        addr = child.wait_ready()
+        res = finish(decode, start(decode, addr, "big", 32, 3))  # 64 MiB: 4 chunks
+        assert res.ok, res.reason
+        assert (res.num_chunks, res.num_descriptors) == (4, 4)
+        assert verify_request(decode.cache, res.local_block_ids, 3) == []
+        decode.finish("big")
+        s = stats_when_free(addr)
+        assert (s.completed, s.expired, s.num_unknown_notifs) == (1, 0, 0)  # notified once
+
+        # chunk 2 of 4 points past prefill's registration: NIXL refuses it when posted
+        original, posts = decode.transport.read, []
+
+        def read(peer: str, local: np.ndarray, remote: np.ndarray, notif: bytes) -> int:
+            posts.append(len(local))
+            if len(posts) == 2:
+                remote = remote.copy()
+                remote[:, 0] += 1 << 40
+            return original(peer, local, remote, notif)
+
+        decode.transport.read = read  # type: ignore[method-assign]
+        res = finish(decode, start(decode, addr, "bad", 32, 4))
+        del decode.transport.read
+        assert res.status == "failed" and res.code == TransportFailure.code, res
+        assert "NIXL_ERR_NOT_FOUND" in res.reason
+        assert len(posts) == 2  # nothing posted after the faulty chunk
+        deadline = time.monotonic() + 10  # chunk 1, if still in flight, is quarantined
+        while decode.num_draining and time.monotonic() < deadline:
+            decode.poll()
+            time.sleep(0.005)
+        assert decode.pool is not None and decode.pool.num_free == LARGE.num_blocks - 1
+        assert decode.transport.num_open_handles == 0 and decode.num_draining == 0
+        s = stats_when_free(addr)  # no notification for a failed request: the lease frees it
+        assert (s.completed, s.expired) == (1, 1)
+
+        res = finish(decode, start(decode, addr, "next", 32, 5))
+        assert res.ok and res.num_chunks == 4, res.reason
+        assert verify_request(decode.cache, res.local_block_ids, 5) == []
+        decode.finish("next")
+        assert stats_when_free(addr).completed == 2
