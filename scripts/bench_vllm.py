@@ -49,7 +49,7 @@ class Model:
     block_size: int = 16
 
 
-TINY = Model("tiny Gemma3 (test model)", (1, 1, 1, 1), 1, 64, torch.float32, 64)
+TINY = Model("tiny Gemma3 (test model)", (1, 1, 1, 1), 1, 64, torch.float32, 64, block_size=32)
 GEMMA3_1B = Model("gemma-3-1b shapes", (4, 4, 4, 4, 4, 4, 2), 1, 256, torch.bfloat16, 512)
 
 
@@ -102,7 +102,7 @@ def _time_us(op: Callable[..., None], *args: object) -> float:
 def bench_bytes() -> list[str]:
     rows = ["| model | layer names | pool blocks | vLLM host bytes | kvstage host bytes | ratio |",
             "|---|---|---|---|---|---|"]
-    for m, num_blocks in ((TINY, 8192), (GEMMA3_1B, 4096)):
+    for m, num_blocks in ((TINY, 4096), (GEMMA3_1B, 4096)):
         device = vllm_device_caches(m, num_blocks)
         ours = host_nbytes(mirror_host_buffers(device))
         theirs = sum(t.nbytes for t in device.values())  # one allocation per layer name
@@ -121,7 +121,7 @@ def bench_copies(repeats: int) -> list[str]:
     install_platform_copy_bodies()
     rows = ["| model | tokens | ids | pool | dir | vLLM copy_kv_blocks | kvstage connector "
             "| speed-up |", "|---|---|---|---|---|---|---|---|"]
-    cases = [(TINY, 8192, t) for t in (300, 450)] + [
+    cases = [(TINY, 4096, t) for t in (300, 450)] + [
         (GEMMA3_1B, 4096, t) for t in (512, 2048, 8192)
     ]
     for m, num_blocks, tokens in cases:

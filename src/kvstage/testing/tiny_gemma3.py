@@ -20,7 +20,7 @@ HIDDEN_SIZE = 64
 NUM_LAYERS = 4  # layer_types below: 3 sliding-window, then 1 full attention
 NUM_KV_HEADS = 1
 HEAD_DIM = 64
-SLIDING_WINDOW = 64  # tokens: 4 blocks of 16
+SLIDING_WINDOW = 64  # tokens: 2 blocks of 32 (vLLM's CPU block size for this model)
 MAX_POSITION_EMBEDDINGS = 1024
 
 

@@ -41,7 +41,7 @@ class EngineSpec:
     max_model_len: int = 512
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 16
-    block_size: int = 16
+    block_size: int = 32  # vLLM's CPU attention aligns this hybrid model's blocks to 32
     kv_cache_bytes: int = 64 << 20  # the KV pool (8192 blocks of the tiny model)
     cpu_core: int = 0
     dtype: str = "float32"

@@ -38,12 +38,13 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = 32  # what vLLM's CPU attention uses for this hybrid model anyway (16 -> 32)
 MAX_NUM_BATCHED_TOKENS = 120  # not a multiple of BLOCK_SIZE: chunks cut blocks in two
 MAX_TOKENS = 12
-# 1 block (and less) up to several sliding windows (window = 64 tokens = 4 blocks)
-PROMPT_LENS = (5, 16, 40, SLIDING_WINDOW, 100, 150, 200, 300)
-CHUNKED_PROMPT_LEN = 450  # > MAX_NUM_BATCHED_TOKENS: 4 chunks, each boundary mid-block
+# less than 1 block up to several sliding windows (window = 64 tokens = 2 blocks); the
+# longer prompts are chunked too (> MAX_NUM_BATCHED_TOKENS once batched with the others)
+PROMPT_LENS = (5, BLOCK_SIZE, 40, SLIDING_WINDOW, 100, 150, 200, 300)
+CHUNKED_PROMPT_LEN = 450  # alone: chunks of 120 tokens, every boundary inside a block
 
 
 def _prompts(lens: tuple[int, ...], seed: int) -> list[list[int]]:
