@@ -9,6 +9,11 @@ run per physical tensor. On CUDA, ``staged``: gathers into a staging buffer boun
 they are separate allocations), never on groups or layers. CUDA copies are
 non-blocking from pinned memory with one synchronisation per request.
 
+Per request, the direct path does: validation of the ids (`GroupedBlockIds`; skipped per
+id with ``trusted=True`` for ids the engine's own allocator produced), planning
+(`plan_copy`), then per run two views (``narrow``) and one ``copy_``, nothing else. The
+views of the cache and the host buffer it slices are built once, at construction.
+
 Thread rules: an engine is not thread-safe; one thread per engine (the P/D roles each
 own one).
 """

@@ -1,4 +1,9 @@
-"""Pure numpy planning: block ids -> contiguous runs -> budgeted chunks -> counts.
+"""Pure planning: block ids -> contiguous runs -> budgeted chunks -> counts.
+
+Runs come from the ids' sorted unique non-null ids, which validation already produced:
+with a plain Python loop for small requests (one contiguous run is O(1)), with one numpy
+diff for large ones; no numpy round trip for a small request. Everything a direct copy
+does not need (block_ids as an array, pieces, chunks, owned slots) is built on first use.
 
 The same `CopyPlan` serves d2h and h2d (device and host use the same block ids). Every
 physical tensor moves the request's whole id set: that keeps one op per run over the

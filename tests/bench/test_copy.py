@@ -78,8 +78,8 @@ def test_floor_steps_and_baseline(tmp_path: Path) -> None:
     rows = {r["step"]: r for r in json.loads(path.read_text())["floor"]}
     assert set(rows) == {
         "GroupedBlockIds", "GroupedBlockIds trusted", "plan_copy", "plan_copy scattered",
-        "load_to_device", "load_to_device trusted", "copies alone", "overhead",
-        "overhead trusted",
+        "load_to_device", "load_to_device trusted", "run planned", "copies alone", "overhead",
+        "overhead trusted", "dispatch",
     }
     assert rows["plan_copy"]["before_us"] > 0 and rows["plan_copy"]["after_us"] > 0
     assert rows["load_to_device trusted"]["before_us"] is None  # only timed for this one

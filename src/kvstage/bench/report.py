@@ -12,6 +12,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import tempfile
@@ -134,20 +135,23 @@ def make_timer(*, cuda: bool) -> Timer:
 
 def time_interleaved(
     fns: Mapping[str, Callable[[], Any]], timers: Mapping[str, Timer], *, warmup: int,
-    iters: int,
+    iters: int, seed: int = 0,
 ) -> dict[str, list[int]]:
     """``warmup`` + ``iters`` rounds, every function once per round; the first ``warmup``
     rounds are dropped. Interleaving makes a noisy, shared machine slow every function
-    alike; the order rotates (A B C, B C A, C A B, ...) because on a CPU a function pays
-    for the dirty cache lines its predecessor left, which a fixed order charges to one."""
+    alike. Each round runs in a fresh (seeded) random order: on a CPU a function pays
+    for the cache state its predecessor left (cold code and data after a large copy),
+    and any fixed cyclic order, rotated or not, would give it the same predecessor in
+    every round."""
     names = list(fns)
     samples: dict[str, list[int]] = {name: [] for name in names}
+    rng = random.Random(seed)
     gc_was = gc.isenabled()
     gc.disable()  # a collection inside one function's sample would bias it
     try:
         for it in range(warmup + iters):
-            k = it % len(names)
-            for name in names[k:] + names[:k]:
+            order = rng.sample(names, len(names))
+            for name in order:
                 ns = timers[name](fns[name])
                 if it >= warmup:
                     samples[name].append(ns)
