@@ -4,4 +4,6 @@
 - `baselines`: vLLM's copy ops, faithfully, for comparisons.
 - `opcount`: a TorchDispatchMode that counts ops and peak temporary bytes.
 - `servers`: a background prefill (thread or child process) with one orphan guard.
+- `tiny_gemma3`, `vllm_engines`, `vllm_baseline`: the real-vLLM test harness (a tiny
+  hybrid model built locally, engines in child processes, vLLM's own host path).
 """
