@@ -66,7 +66,7 @@ def test_a_stalled_read_keeps_its_blocks_until_it_is_over(how: str) -> None:
             else None
         assert r4 is not None and r4.ok and not set(r4.local_block_ids[0]) & set(ids)
         # r1's late bytes land (every chunk posted: the window), in r1's rows only
-        assert t.resume_reads() == min(WINDOW, r1.num_chunks) == 2
+        assert t.resume_reads() == min(WINDOW, r1.num_chunks)
         decode.poll()
         assert decode.num_draining == 0 and t.num_open_handles == 0
         assert not any(decode.in_flight(b) for b in ids)

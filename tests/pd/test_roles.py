@@ -155,7 +155,6 @@ def test_descriptor_count_is_runs(host_layout: HostLayout, ids: str) -> None:
     lay = GEMMA
     per_run = 1 if host_layout is HostLayout.BLOCK_MAJOR else lay.num_tensors * lay.num_planes
     with pair(lay, host_layout=host_layout) as (prefill, decode):
-        decode.pipeline = False  # the descriptors of ONE READ (chunks cut runs: pd.pipeline)
         addr = prefill.address
         if ids == "churned":
             # churn the prefill pool: its free queue now hands out ids in pieces

@@ -91,13 +91,15 @@ def reloaded_ok(decode: DecodeWorker, res: RequestResult, seed: int) -> list[str
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("pipeline", [False, True], ids=["one-read", "pipelined"])
 def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, pipeline: bool,
 ) -> None:
     for key, value in TCP.items():  # this process and the spawned children
         monkeypatch.setenv(key, value)
     with children(2, lease_s=60.0) as (stalled, healthy), make_decode(
-        LARGE, transport="nixl", read_timeout_s=2.0, handshake_timeout_s=10.0
+        LARGE, transport="nixl", read_timeout_s=2.0, handshake_timeout_s=10.0,
+        pipeline=pipeline,
     ) as decode:
         a, b = stalled.wait_ready(), healthy.wait_ready()
         for addr, rid in ((a, "warm-a"), (b, "warm-b")):  # endpoints up, pages touched

@@ -57,7 +57,7 @@ def stats_when_free(addr: tuple[str, int], timeout_s: float = LEASE_S + 10) -> m
 @pytest.mark.timeout(300)
 def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
     with PrefillProcess(LARGE, transport="nixl", lease_s=LEASE_S) as child, make_decode(
-        LARGE, transport="nixl", read_timeout_s=8.0, handshake_timeout_s=20.0
+        LARGE, transport="nixl", read_timeout_s=8.0, handshake_timeout_s=20.0, pipeline=True
     ) as decode:
         addr = child.wait_ready()
         res = finish(decode, start(decode, addr, "big", 32, 3))  # 64 MiB: 4 chunks

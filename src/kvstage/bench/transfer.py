@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from kvstage.bench import pipeline
 from kvstage.bench.report import Column, format_bytes, machine_info, print_table, ratio, write_json
 from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
 from kvstage.cache import HostBuffer, HostLayout, KVCache
@@ -88,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       help="measure against a `bench transfer --listen` prefill there, not a local child")
     cli_args.add_ucx_arguments(parser)
     cli_args.add_auth_arguments(parser)
+    pipeline.add_arguments(a)
 
 
 def _churn_local(layout: KVLayout, seed: int) -> BlockPool:
@@ -321,6 +323,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--listen serves the prefill side and --connect measures against "
                          "one: pass one of them (or neither, for a local child)")
     args.transport = "nixl"  # cli_args.setup_ucx reads it
+    if args.pipeline:
+        return pipeline.run(args)
     if args.listen:
         parse_address(args.listen)
         return _serve(args)

@@ -133,6 +133,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_layout_arguments(p)
     cli_args.add_ucx_arguments(p)
     cli_args.add_auth_arguments(p)
+    cli_args.add_integrity_argument(p)
+    p.add_argument("--pipeline", action="store_true",
+                   help="READ each request in chunks and load chunk k to the device while "
+                        "k+1 is in flight (kvstage.pd.pipeline; BENCHMARKS.md 'Pipelining')")
 
 
 def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:
@@ -179,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                 layout, device=args.device, host_layout=args.host_layout,
                 transport=args.transport, read_timeout_s=args.read_timeout_s,
                 handshake_timeout_s=args.handshake_timeout_s, key=key,
-                verify_checksum=args.verify_checksum,
+                verify_checksum=args.verify_checksum, pipeline=args.pipeline,
             )
         except (OSError, RuntimeError, ValueError, ImportError) as exc:
             print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",

@@ -5,7 +5,7 @@ Primitives (what an engine calls):
   handshake once per remote (authenticated with ``key``), confirm the remote lease with
   the request's capability (from prefill's PrefillDone), pair remote and local ids, merge
   the pairs into runs (`pair_runs`) and READ them: one descriptor per run (block-major
-  host) or per run per tensor per plane (mirror); with ``pipeline`` (default) in chunks
+  host) or per run per tensor per plane (mirror); with ``pipeline`` (opt-in) in chunks
   of runs, chunk k loaded to the device while k+1 is in flight (`kvstage.pd.pipeline`).
 - ``poll()``: advances READs and loads; a request whose every chunk is READ (and, with
   ``verify_checksum``, hashes to prefill's digests: `kvstage.pd.integrity`) and loaded
@@ -98,7 +98,7 @@ class DecodeWorker:
         pool: BlockPool | None = None,
         key: bytes | None = None,
         verify_checksum: bool = False,
-        pipeline: bool = True,
+        pipeline: bool = False,
     ) -> None:
         try:
             self.pipeline = bool(pipeline)  # chunked READ, h2d overlapped (`pd.pipeline`)
@@ -267,10 +267,12 @@ class DecodeWorker:
         self.ids.retry()
         ended = []
         for rid, p in list(self._pending.items()):
+            code = READ_FAILED
             try:
                 state, why = p.job.advance(self.transport, self.loader)
-            except Exception as exc:
-                state, why = "failed", f"poll failed: {exc}"
+            except Exception as exc:  # a chunk's post refused (TransportFailure), a poll
+                state, why = "failed", f"{type(exc).__name__}: {exc}"
+                code = code_of(exc) if isinstance(exc, KVStageError) else READ_FAILED
             now = time.monotonic()
             if state == "pending" and (now < p.deadline or p.job.read_done):
                 continue  # (after the last READ only loads are left: no deadline)
@@ -279,8 +281,7 @@ class DecodeWorker:
             if state == "done":
                 ended.append(self._done(p, now))
                 continue
-            code = {"checksum": CHECKSUM_MISMATCH, "pending": READ_TIMEOUT}.get(state,
-                                                                              READ_FAILED)
+            code = {"checksum": CHECKSUM_MISMATCH, "pending": READ_TIMEOUT}.get(state, code)
             if state == "pending":
                 why = f"READ timed out after {now - p.started:.2f} s"
             elif state == "failed":

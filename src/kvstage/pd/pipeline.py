@@ -10,10 +10,10 @@ Primitives (what `DecodeWorker` calls, from its one thread):
   ``WINDOW`` chunks, checks finished ones (checksums), hands each DONE chunk to the
   `Loader` and reports "pending", "done" or a failure; ``handles_open`` lists what may
   still write (the decode quarantines the request's ids on them, see decode.py).
-- `Loader`: h2d of chunks. CUDA: a copy stream, one event per chunk (the caller's
-  thread never waits on a copy). CPU: one worker thread (torch copies release the GIL;
-  with CMA a NIXL READ runs inside the posting call, so the h2d must run elsewhere to
-  overlap it at all).
+- `Loader`: checksum check then h2d of chunks. CUDA: a copy stream, one event per chunk
+  (the caller's thread never waits on a copy; the check runs on it). CPU: one worker
+  thread for both (torch copies and xxhash release the GIL; with CMA a NIXL READ runs
+  inside the posting call, so the check and h2d must run elsewhere to overlap it).
 
 Notification and leases: a one-chunk request carries the completion notification on its
 READ, as before. A multi-chunk READ carries none per chunk; when every chunk is DONE the
@@ -46,7 +46,10 @@ from kvstage.transport.base import TransferState, Transport
 MIN_CHUNK_BYTES = 4 << 20
 TARGET_CHUNKS = 4
 MAX_CHUNKS = 16
-WINDOW = 2  # chunks in flight at once: the next is already posted when one finishes
+# chunks in flight at once. 1: with CMA (loopback) a READ runs inside its posting call,
+# so a second chunk posted at once would delay the first chunk's h2d by a whole chunk;
+# over tcp the gap it leaves between chunks is one poll.
+WINDOW = 1
 
 
 def split_runs(runs: np.ndarray, block_bytes: int, *, min_chunk_bytes: int = MIN_CHUNK_BYTES,
@@ -80,16 +83,27 @@ class Loader:
         self._stream = torch.cuda.Stream(engine.cache.device) if self.cuda else None
         self._pool: cf.ThreadPoolExecutor | None = None
 
-    def _copy(self, local: list[tuple[int, int, int]]) -> float:
+    def _copy(self, runs: np.ndarray, local: list[tuple[int, int, int]],
+              check: Callable[[np.ndarray], str]) -> tuple[float, str]:
+        bad = check(runs)  # the checksums, before a byte of the chunk reaches the device
+        if bad:
+            return 0.0, bad
         start = time.perf_counter()
         self.engine.copy_runs(local, Direction.H2D)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, ""
 
-    def submit(self, runs: np.ndarray, *, inline: bool = False) -> Any:
-        """Start loading host rows -> device blocks ``runs[:, 1]`` (host row b = block b);
-        ``inline``: copy now, on this thread (a one-chunk request: nothing to overlap)."""
+    def submit(self, runs: np.ndarray, check: Callable[[np.ndarray], str], *,
+               inline: bool = False) -> Any:
+        """Start ``check(runs)`` then, if it returns '', loading host rows -> device blocks
+        ``runs[:, 1]`` (host row b = block b); ``inline``: now, on this thread (a one-chunk
+        request: nothing to overlap). On CUDA ``check`` runs here, the copy on the stream."""
         local = np.stack((runs[:, 1], runs[:, 1], runs[:, 2]), axis=1).tolist()
         if self.cuda:
+            bad = check(runs)
+            if bad:
+                done: cf.Future[tuple[float, str]] = cf.Future()
+                done.set_result((0.0, bad))
+                return done
             assert self._stream is not None
             # the READ wrote the host rows (CPU) before this call: the stream only reads them
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -99,24 +113,25 @@ class Loader:
                 end.record(self._stream)
             return (start, end)
         if inline:
-            done: cf.Future[float] = cf.Future()
-            done.set_result(self._copy(local))
+            done = cf.Future()
+            done.set_result(self._copy(runs, local, check))
             return done
         if self._pool is None:
             self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstage-h2d")
-        return self._pool.submit(self._copy, local)
+        return self._pool.submit(self._copy, runs, local, check)
 
     @staticmethod
     def done(token: Any) -> bool:
         return bool(token[1].query()) if isinstance(token, tuple) else token.done()
 
     @staticmethod
-    def wait(token: Any) -> float:
-        """Block until the load is over; its copy time in seconds."""
+    def wait(token: Any) -> tuple[float, str]:
+        """Block until the load is over: (its copy time in seconds, '' or the mismatch)."""
         if isinstance(token, tuple):
             token[1].synchronize()
-            return float(token[0].elapsed_time(token[1])) / 1e3
-        return float(token.result())
+            return float(token[0].elapsed_time(token[1])) / 1e3, ""
+        secs, bad = token.result()
+        return float(secs), str(bad)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -175,13 +190,13 @@ class ReadJob:
             self.states[i] = state
             if state is TransferState.FAILED:
                 return "failed", transport.failure_reason(h) or ""
-            bad = self.verify(self.chunks[i])
-            if bad:
-                return "checksum", bad
-            self.loads.append(loader.submit(self.chunks[i], inline=self.single))
-        if all(s is TransferState.DONE for s in self.states):
-            if not self.read_done:
-                self.read_done = time.monotonic()
+            if all(s is TransferState.DONE for s in self.states):
+                self.read_done = time.monotonic()  # before the last load
+            self.loads.append(loader.submit(self.chunks[i], self.verify, inline=self.single))
+        for t in self.loads:
+            if Loader.done(t) and Loader.wait(t)[1]:
+                return "checksum", Loader.wait(t)[1]
+        if self.read_done:
             if all(Loader.done(t) for t in self.loads):
                 return "done", ""
             return "pending", ""
@@ -189,6 +204,6 @@ class ReadJob:
         return "pending", ""
 
     def drain_loads(self) -> float:
-        """Wait for every load handed out (bounded: they are memory copies); the sum of
-        their copy times."""
-        return sum(Loader.wait(t) for t in self.loads)
+        """Wait for every load handed out (bounded: they are memory copies and hashes);
+        the sum of their copy times."""
+        return sum(Loader.wait(t)[0] for t in self.loads)

@@ -50,6 +50,9 @@ from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
 from kvstage.transport.base import Transport
 
 DEFAULT_LEASE_S = 30.0
+#: serve_once's longest wait while requests are held: with the NIXL progress thread off
+#: (`make_prefill`), the notification poll after it is what progresses UCX over tcp
+ACTIVE_POLL_S = 0.0005
 MAX_UNKNOWN_NOTIFS = 64  # the record of unknown notifications is bounded
 
 #: Writes a prompt's KV into blocks it allocates: (request_id, num_tokens, seed) -> ids
@@ -345,6 +348,8 @@ class PrefillWorker:
         )
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
+        if self._requests:  # a READ may be served: our calls drive UCX (no progress thread)
+            timeout_s = min(timeout_s, ACTIVE_POLL_S)
         got = self.server.poll(timeout_s)
         if got is not None:
             envelope, msg = got

@@ -49,12 +49,17 @@ def make_prefill(
     verify_checksum: bool = False,
 ) -> PrefillWorker:
     """A prefill role over kvstage's own cache and pool, writing the pattern as KV
-    (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`)."""
+    (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`). A NIXL agent runs
+    without its busy-polling progress thread unless ``transport_options`` says otherwise:
+    an idle prefill then sleeps in the side channel's poll, and `PrefillWorker.serve_once`
+    drives UCX while it holds requests (BENCHMARKS.md "Idle CPU")."""
     cache = KVCache(layout, device)
     pool = BlockPool(layout.num_blocks)
     eid = engine_id or f"prefill-{os.urandom(4).hex()}"
+    options = ({"progress_thread": False} if transport == "nixl" else {}) | dict(
+        transport_options or {})
     return PrefillWorker(
-        cache, make_transport(transport, eid, **(transport_options or {})),
+        cache, make_transport(transport, eid, **options),
         host_layout=HostLayout(host_layout), lease_s=lease_s, host=host, port=port,
         engine_id=eid, pool=pool, producer=PatternProducer(cache, pool), key=key,
         insecure=insecure, max_hold_s=max_hold_s, verify_checksum=verify_checksum,
@@ -73,6 +78,7 @@ def make_decode(
     transport_options: dict[str, Any] | None = None,
     key: bytes | None = None,
     verify_checksum: bool = False,
+    pipeline: bool = False,
 ) -> DecodeWorker:
     """A decode role over kvstage's own cache, allocating local ids from its own pool."""
     eid = engine_id or f"decode-{os.urandom(4).hex()}"
@@ -81,6 +87,7 @@ def make_decode(
         host_layout=HostLayout(host_layout), read_timeout_s=read_timeout_s,
         handshake_timeout_s=handshake_timeout_s, engine_id=eid,
         pool=BlockPool(layout.num_blocks), key=key, verify_checksum=verify_checksum,
+        pipeline=pipeline,
     )
 
 

@@ -120,6 +120,10 @@ class NixlTransport(ClosingContext):
     0.4-0.7; 4 threads was worse than 2. ``ucx_env`` None means ``default_ucx_env()``;
     ``{}`` sets nothing. ``backend_params`` are passed to ``create_backend`` (e.g.
     ``{"ucx_error_handling_mode": "none"}``; see the module doc for why not).
+    ``progress_thread`` False: no NIXL progress thread (nixl-cu12 1.5.1 runs it with
+    ``pthrDelay = 0``, a busy loop: a core per idle agent); UCX then progresses only
+    inside our calls (``poll``, ``get_notifs``, ``read``), so the owner must call one of
+    them often while a peer READs from it.
     """
 
     def __init__(
@@ -130,6 +134,7 @@ class NixlTransport(ClosingContext):
         num_threads: int = 2,
         ucx_env: dict[str, str] | None = None,
         backend_params: dict[str, str] | None = None,
+        progress_thread: bool = True,
     ) -> None:
         if not name:
             raise ValueError("NixlTransport needs a non-empty, per-process unique name")
@@ -142,7 +147,8 @@ class NixlTransport(ClosingContext):
         try:
             # backends=[] then create_backend: nixl_agent skips a missing plugin with only
             # a warning, create_backend raises.
-            agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
+            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
+            agent = api.nixl_agent(name, config)
             agent.create_backend(backend, params)
         except Exception as e:
             env = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}
