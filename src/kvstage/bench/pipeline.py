@@ -55,6 +55,8 @@ def add_arguments(a: Any) -> None:
       help="--pipeline: request sizes in MiB (whole blocks of the preset)")
     a("--plot", default=None, metavar="PATH.png", help="--pipeline: write the plot here")
     a("--device", default="cpu", help="--pipeline: decode's device (cuda: copy stream)")
+    a("--progress-thread", action="store_true",
+      help="--pipeline: give decode's NIXL agent its (busy-polling) progress thread")
 
 
 def _one(decode: DecodeWorker, client: SideChannelClient, addr: tuple[str, int], rid: str,
@@ -91,8 +93,13 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     try:
         addrs = {"plain": plain.wait_ready(), "hash": hashing.wait_ready()}
+        # no busy-polling NIXL progress thread here either (BENCHMARKS.md "Idle CPU"): on a
+        # 2-core host it would take the core the loader thread needs; decode's own polls
+        # progress its READs
         with make_decode(lay, transport="nixl", device=args.device, read_timeout_s=60.0,
-                         handshake_timeout_s=30.0) as decode:
+                         handshake_timeout_s=30.0,
+                         transport_options={"progress_thread": args.progress_thread},
+                         ) as decode:
             clients = {k: decode.client(*a) for k, a in addrs.items()}
             print(f"kvstage bench transfer --pipeline: {lay.name}, "
                   f"{lay.block_bytes >> 10} KiB blocks, decode on {args.device}, median of "
