@@ -98,3 +98,36 @@ def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
         assert verify_request(decode.cache, res.local_block_ids, 5) == []
         decode.finish("next")
         assert stats_when_free(addr).completed == 2
+
+
+@pytest.mark.timeout(300)
+def test_prepared_descriptor_lists_are_byte_exact() -> None:
+    """``prepared_reads``: block rows prepared once per side, READs by index (NIXL
+    ``make_prepped_xfer``), contiguous and scattered local ids, one READ and pipelined."""
+    from kvstage.pd.reads import Poster
+
+    with PrefillProcess(LARGE, transport="nixl", lease_s=LEASE_S) as child, make_decode(
+        LARGE, transport="nixl", read_timeout_s=8.0, handshake_timeout_s=20.0
+    ) as decode:
+        addr = child.wait_ready()
+        decode.poster = Poster(decode.transport, decode.host, prepared=True)
+        assert decode.pool is not None
+        for i, (pipeline, scattered) in enumerate([(False, False), (True, False),
+                                                   (False, True), (True, True)]):
+            decode.pipeline = pipeline
+            done = call(addr, m.PrefillRequest(request_id=f"p{i}", num_tokens=20 * 16,
+                                               seed=30 + i))
+            local, taken = None, []
+            if scattered:  # every pair its own run: 20 indices, no two adjacent
+                taken = decode.pool.allocate(40)
+                local = [taken[::-2]]
+            res = finish(decode, decode.start(f"p{i}", addr, done.block_ids, local,
+                                              capability=done.capability))
+            assert res.ok, res.reason
+            assert verify_request(decode.cache, res.local_block_ids, 30 + i) == []
+            if local is None:
+                decode.finish(f"p{i}")
+            else:
+                decode.pool.free(taken)
+        assert len(decode.transport._state.preps) == 2  # type: ignore[attr-defined]
+        assert stats_when_free(addr).completed == 4

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvstage.bench import pipeline
+from kvstage.bench.posting import POSTING_COLUMNS, posting
 from kvstage.bench.report import Column, format_bytes, machine_info, print_table, ratio, write_json
 from kvstage.blocks import BlockPool, GroupedBlockIds, request_blocks
 from kvstage.cache import HostBuffer, HostLayout, KVCache
@@ -129,6 +130,7 @@ class Bench:
         # request ids prefill holds for us -> their capability: released at close
         self.held: dict[str, bytes] = {}
         self.tag = uuid.uuid4().hex[:8]  # a listener outlives runs: wire ids unique per run
+        self.posting_rows: list[dict[str, Any]] = []
         try:
             key = cli_args.key_from_args(args, self.address[0], "bench transfer")
             self.client = SideChannelClient(*self.address, timeout_s=30.0, key=key)
@@ -267,6 +269,8 @@ def measure(bench: Bench, mode: str, args: argparse.Namespace) -> list[dict[str,
                 samples[meth].append(ns)
     verified = {meth: bench.verify(descs[meth], local_ids, SEEDS[mode])
                 for meth in ("merged", "per_block")}
+    bench.posting_rows += posting(bench, mode, runs, local_ids, max(args.iters, 20),
+                                  SEEDS[mode])
     rows: list[dict[str, Any]] = []
     for meth in METHODS:
         med_ns = statistics.median(samples[meth])
@@ -359,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
         bench.close()
     print_table(rows, COLUMNS, markdown=args.markdown,
                 title="" if args.markdown else "NIXL READ of one request")
+    print_table(bench.posting_rows, POSTING_COLUMNS, markdown=args.markdown,
+                title="READ posting cost per request (median us, nothing transferred)")
     for mode in modes:
         by = {r["method"]: r for r in rows if r["ids"] == mode}
         merged = by["merged"]
@@ -367,6 +373,7 @@ def run(args: argparse.Namespace) -> int:
               f"{by['per_block']['descriptors']} per-block descriptors "
               f"({merged['descriptors']} instead)")
     if args.json:
-        write_json(args.json, config=vars(args), env=machine_info("cpu"), results=rows)
+        write_json(args.json, config=vars(args), env=machine_info("cpu"), results=rows,
+                   posting=bench.posting_rows)
         print(f"wrote {args.json}")
     return 0 if all(r["verified"] is not False for r in rows) else 1

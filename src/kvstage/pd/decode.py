@@ -68,6 +68,7 @@ from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public na
     DEFAULT_READ_TIMEOUT_S,
     READ_FAILED,
     READ_TIMEOUT,
+    Poster,
     Remote,
     RequestResult,
     _Pending,
@@ -99,6 +100,7 @@ class DecodeWorker:
         key: bytes | None = None,
         verify_checksum: bool = False,
         pipeline: bool = False,
+        prepared_reads: bool = False,
     ) -> None:
         try:
             self.pipeline = bool(pipeline)  # chunked READ, h2d overlapped (`pd.pipeline`)
@@ -117,6 +119,8 @@ class DecodeWorker:
             self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
             self.engine = CopyEngine(cache, self.host)
             self.loader = Loader(self.engine)
+            # prepared descriptor lists (NIXL prep_xfer_dlist once per side), opt-in
+            self.poster = Poster(transport, self.host, prepared_reads)
             self.transport = transport
             self.transport.register(self.host.data_ptr, self.host.nbytes)
         except Exception:
@@ -230,7 +234,7 @@ class DecodeWorker:
             chunks = (split_runs(runs, self.layout.block_bytes) if self.pipeline
                       else [runs])
             job = ReadJob(chunks, remote.peer, auth.completion_notif(remote_rid, capability),
-                          post=lambda r, notif: self._post(remote, r, notif),
+                          post=lambda r, notif: self.poster.post(remote, r, notif),
                           verify=lambda r: self._verify(r, digests))
             result.num_descriptors = sum(
                 int(self.host.descriptors(c[:, 1], c[:, 2]).shape[0]) for c in chunks)
@@ -250,16 +254,6 @@ class DecodeWorker:
         )
         self.ids.mark(local, request_id)
         return result
-
-    def _post(self, remote: Remote, runs: np.ndarray, notif: bytes) -> int:
-        return self.transport.read(remote.peer, self.host.descriptors(runs[:, 1], runs[:, 2]),
-                                   self._remote_descs(remote, runs), notif)
-
-    def _remote_descs(self, remote: Remote, runs: np.ndarray) -> np.ndarray:
-        # the remote buffer has our layout (checked at handshake): shift addresses only
-        local = self.host.descriptors(runs[:, 0], runs[:, 2])
-        local[:, 0] += remote.base - self.host.data_ptr
-        return local
 
     def poll(self) -> list[RequestResult]:
         """Advance every pending READ without blocking (with CMA a chunk's READ runs inside

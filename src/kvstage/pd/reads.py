@@ -1,7 +1,13 @@
 """READ bookkeeping of the decode role: remote/local id pairing, the request record.
 
 `pair_runs` turns (remote ids, local ids), one list per group, into merged block runs
-``[R, 3]`` (src, dst, n); `RequestResult` is what `DecodeWorker` reports per request.
+``[R, 3]`` (src, dst, n); `RequestResult` is what `DecodeWorker` reports per request;
+`Poster` posts the READ of runs. With ``prepared`` (`DecodeWorker(prepared_reads=True)`),
+a block-major host buffer and a transport that prepares descriptor lists
+(`NixlTransport.prepare`), one list of block rows per side is prepared once (ours at the
+first READ, a remote's at its first READ after a handshake) and each READ names block
+rows by index (``make_prepped_xfer``); otherwise, or if preparing fails, descriptor lists
+are built per READ (``Transport.read``).
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstage.cache import HostLayout
+from kvstage.cache import HostBuffer, HostLayout
 from kvstage.errors import InvalidRequest, LayoutMismatch
 from kvstage.layout import KVLayout
 from kvstage.plan import find_runs
@@ -98,3 +104,49 @@ def pair_runs(
                 src.append(a)
                 dst.append(b)
     return find_runs(np.array(src, np.int64), np.array(dst, np.int64))
+
+
+def blocks(runs: np.ndarray, col: int) -> np.ndarray:
+    """Every block id of ``[R, 3]`` runs on side ``col`` (0 src, 1 dst), in order, int32."""
+    n = runs[:, 2]
+    first = np.repeat(runs[:, col] - (np.cumsum(n) - n), n)
+    return (first + np.arange(int(n.sum()))).astype(np.int32)
+
+
+class Poster:
+    """Post READs of ``[R, 3]`` runs (src remote block, dst local block, n) for the decode."""
+
+    def __init__(self, transport: Any, host: HostBuffer, prepared: bool = False) -> None:
+        self.transport, self.host = transport, host
+        self.prepared = prepared and host.block_major and hasattr(transport, "prepare")
+        self._local: int | None = None
+        self._remote: dict[tuple[str, int], int] = {}  # (peer, base) -> prepared list
+
+    def _rows(self, base: int) -> np.ndarray:
+        every = np.arange(self.host.layout.num_blocks, dtype=np.int64)
+        rows = self.host.descriptors(every, np.ones_like(every))
+        rows[:, 0] += base - self.host.data_ptr
+        return rows
+
+    def remote_descs(self, remote: Remote, runs: np.ndarray) -> np.ndarray:
+        # the remote buffer has our layout (checked at handshake): shift addresses only
+        descs = self.host.descriptors(runs[:, 0], runs[:, 2])
+        descs[:, 0] += remote.base - self.host.data_ptr
+        return descs
+
+    def post(self, remote: Remote, runs: np.ndarray, notif: bytes) -> int:
+        key = (remote.peer, remote.base)
+        if self.prepared and key not in self._remote:
+            try:
+                if self._local is None:
+                    self._local = self.transport.prepare(None, self._rows(self.host.data_ptr))
+                self._remote[key] = self.transport.prepare(remote.peer,
+                                                           self._rows(remote.base))
+            except Exception:  # the READ itself reports what is wrong (e.g. NOT_FOUND)
+                pass
+        if self._local is None or key not in self._remote:
+            return int(self.transport.read(
+                remote.peer, self.host.descriptors(runs[:, 1], runs[:, 2]),
+                self.remote_descs(remote, runs), notif))
+        return int(self.transport.read_prepared(remote.peer, self._local, blocks(runs, 1),
+                                                self._remote[key], blocks(runs, 0), notif))

@@ -85,6 +85,7 @@ class _State:
         self.tensors: list[torch.Tensor] = []  # keeps registered tensors alive
         self.peers: set[str] = set()
         self.peer_meta: dict[bytes, str] = {}  # metadata loaded -> peer name
+        self.preps: dict[int, Any] = {}  # prepared descriptor lists (prep_xfer_dlist)
         self.xfers: dict[int, Any] = {}  # our handle id -> nixl_xfer_handle
         self.final: dict[int, TransferState] = {}  # DONE/FAILED seen once, kept
         self.reasons: dict[int, str] = {}
@@ -97,13 +98,15 @@ class _State:
         self.closed = True
         agent, self.agent = self.agent, None
         steps: list[tuple[Any, Any]] = [(agent.release_xfer_handle, x) for x in self.xfers.values()]
+        steps += [(agent.release_dlist_handle, d) for d in self.preps.values()]
         steps += [(agent.remove_remote_agent, p) for p in self.peers]
         steps += [(agent.deregister_memory, r) for r in self.reg_dlists]
         for fn, arg in steps:
             # A dead peer or an uncancellable in-flight READ must not stop the rest.
             with contextlib.suppress(Exception):
                 fn(arg)
-        for container in (self.xfers, self.final, self.reasons, self.peers, self.peer_meta):
+        for container in (self.xfers, self.final, self.reasons, self.peers, self.peer_meta,
+                          self.preps):
             container.clear()
         self.reg_dlists.clear()
         self.regions.clear()
@@ -278,6 +281,9 @@ class NixlTransport(ClosingContext):
                 "peer registered before producing the metadata given to add_peer "
                 "(re-add the peer after it registers more).",
             ) from e
+        return self._post(st, xfer, what)
+
+    def _post(self, st: _State, xfer: Any, what: str) -> int:
         try:
             status = st.agent.transfer(xfer)
         except Exception as e:
@@ -295,6 +301,41 @@ class NixlTransport(ClosingContext):
             st.final[handle] = TransferState.FAILED
             st.reasons[handle] = f"transfer() returned {status!r}"
         return handle
+
+    def prepare(self, peer: str | None, descs: np.ndarray) -> int:
+        """Prepare a descriptor list once (NIXL ``prep_xfer_dlist``): ours (``peer`` None,
+        checked against our registrations) or ``peer``'s. Returns an id for
+        ``read_prepared``; kept until close. Per request, a READ then names rows of two
+        prepared lists by index instead of building and checking descriptor lists."""
+        st = self._open() if peer is None else self._check_peer(peer)
+        if peer is None:
+            validate_descs(descs, st.regions, "local")
+        rows = np.zeros((len(descs), 3), dtype=np.int64)
+        rows[:, :2] = descs
+        try:
+            prep = st.agent.prep_xfer_dlist(peer or "NIXL_INIT_AGENT", rows, "DRAM")
+        except Exception as e:
+            raise _fail("NIXL could not prepare a descriptor list", e,
+                        "Remote rows must lie in memory the peer registered.") from e
+        key = next(self._ids)
+        st.preps[key] = prep
+        return key
+
+    def read_prepared(self, peer: str, local: int, local_idx: np.ndarray, remote: int,
+                      remote_idx: np.ndarray, notif: bytes) -> int:
+        """Like ``read`` over rows ``local_idx`` of prepared list ``local`` and
+        ``remote_idx`` of ``remote`` (``make_prepped_xfer``; NIXL merges adjacent rows)."""
+        st = self._check_peer(peer)
+        try:
+            xfer = st.agent.make_prepped_xfer(
+                "READ", st.preps[local], np.asarray(local_idx, dtype=np.int32),
+                st.preps[remote], np.asarray(remote_idx, dtype=np.int32), notif)
+        except KeyError:
+            raise InvalidRequest(f"unknown prepared list {local} or {remote}") from None
+        except Exception as e:
+            raise _fail(f"NIXL refused a prepared READ from peer {peer!r}", e,
+                        "Indices must lie inside the prepared lists.") from e
+        return self._post(st, xfer, f"prepared READ of {len(local_idx)} rows from {peer!r}")
 
     def _xfer(self, handle: int) -> tuple[_State, Any]:
         st = self._open()
