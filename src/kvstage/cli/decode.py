@@ -54,7 +54,10 @@ class Row:
 def run_one(worker: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int, seed: int,
             timeout_s: float, issued: dict[str, bytes] | None = None) -> Row:
     client = worker.client(*addr)
-    done = client.call(m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
+    # the prefill computes the prompt before it answers: not a handshake, so not bounded
+    # by the handshake timeout (128 MiB of llama-3.1-8b KV takes seconds on a busy host)
+    done = client.call(m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed),
+                       timeout_s=max(PREFILL_TIMEOUT_S, worker.handshake_timeout_s))
     assert isinstance(done, m.PrefillDone)
     if issued is not None:  # the capability, so an interrupt can still release it
         issued.clear()
