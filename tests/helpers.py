@@ -3,13 +3,17 @@ snapshots for "nothing changed" checks, and the engine fixture of the refusal te
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 import kvstage as ks
 from kvstage import NULL_BLOCK, HostBuffer, KVCache
+from kvstage.pd import messages as m
+from kvstage.pd.decode import DecodeWorker, RequestResult
+from kvstage.pd.side_channel import SideChannelClient
 
 
 def as_bytes(canonical: torch.Tensor) -> torch.Tensor:
@@ -111,3 +115,57 @@ def ok_ids() -> list[list[int]]:
     return [[10, 11], [12], [], [13], [14], [0, 15], [16, 17]]
 
 
+
+
+# -- P/D helpers -------------------------------------------------------------------
+def call(addr: tuple[str, int], msg: m.Message, *, key: bytes | None = None,
+         timeout_s: float = 10.0) -> m.Message:
+    """One side-channel question to the prefill at ``addr``."""
+    return SideChannelClient(*addr, timeout_s=timeout_s, key=key).call(msg)
+
+
+def stats_of(addr: tuple[str, int], *, key: bytes | None = None) -> m.Stats:
+    reply = call(addr, m.GetStats(), key=key)
+    assert isinstance(reply, m.Stats)
+    return reply
+
+
+def prefill_request(addr: tuple[str, int], rid: str, tokens: int = 100, seed: int = 1, *,
+                    key: bytes | None = None) -> m.PrefillDone:
+    """Ask a pattern-producing prefill to 'run' a prompt; its PrefillDone."""
+    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed), key=key)
+    assert isinstance(done, m.PrefillDone)
+    return done
+
+
+def finish_read(decode: DecodeWorker, res: RequestResult,
+                timeout_s: float = 15.0) -> RequestResult:
+    """Poll (bounded) until ``res`` ends; poll() updates the result in place."""
+    deadline = time.monotonic() + timeout_s
+    while res.status == "pending" and time.monotonic() < deadline:
+        decode.poll()
+        time.sleep(0.001)
+    assert res.status != "pending", f"{res.request_id} still pending after {timeout_s} s"
+    return res
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def wait_prefill_free(addr: tuple[str, int], num_blocks: int, timeout_s: float) -> m.Stats:
+    """Bounded wait until prefill holds nothing; its pool must then be whole and every
+    request freed exactly once."""
+    deadline = time.monotonic() + timeout_s
+    s = stats_of(addr)
+    while s.held_requests and time.monotonic() < deadline:
+        time.sleep(0.02)
+        s = stats_of(addr)
+    assert s.held_requests == 0 and s.held_blocks == 0, f"prefill still holds: {s}"
+    assert s.free_blocks == num_blocks - 1, f"prefill leaked blocks: {s}"
+    assert s.prefilled == s.completed + s.released + s.expired, s
+    assert s.open_handles == 0
+    return s

@@ -22,10 +22,10 @@ import zmq
 import kvstage as ks
 from kvstage.errors import HandshakeTimeout, TransportFailure
 from kvstage.pd import messages as m
-from kvstage.pd.decode import READ_FAILED, DecodeWorker, RequestResult
-from kvstage.pd.side_channel import SideChannelClient
+from kvstage.pd.decode import READ_FAILED, DecodeWorker
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
+from tests.helpers import finish_read, prefill_request, stats_of
 
 LAYOUT = ks.preset("gpt-oss-20b", num_blocks=512, block_size=8)  # 2 groups (SW + full)
 NB = LAYOUT.num_blocks
@@ -56,30 +56,6 @@ def decode() -> Iterator[DecodeWorker]:
         yield worker
 
 
-def stats(addr: tuple[str, int]) -> m.Stats:
-    reply = SideChannelClient(*addr, timeout_s=5.0).call(m.GetStats())
-    assert isinstance(reply, m.Stats)
-    return reply
-
-
-def prefill_request(addr: tuple[str, int], rid: str, tokens: int = 100,
-                    seed: int = 1) -> m.PrefillDone:
-    done = SideChannelClient(*addr).call(m.PrefillRequest(request_id=rid, num_tokens=tokens,
-                                                          seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return done
-
-
-def finish_read(decode: DecodeWorker, res: RequestResult, timeout_s: float = 10.0) -> RequestResult:
-    """Poll (bounded) until ``res`` ends; poll() updates the result in place."""
-    deadline = time.monotonic() + timeout_s
-    while res.status == "pending" and time.monotonic() < deadline:
-        decode.poll()
-        time.sleep(0.001)
-    assert res.status != "pending", f"{res.request_id} still pending after {timeout_s} s"
-    return res
-
-
 def set_faults(decode: DecodeWorker, **flags: bool) -> None:
     t: Any = decode.transport
     t.fail_reads = flags.get("fail_reads", False)
@@ -96,10 +72,10 @@ def assert_decode_clean(decode: DecodeWorker) -> None:
 def wait_prefill_free(addr: tuple[str, int], timeout_s: float = LEASE_S + 5) -> m.Stats:
     """Bounded wait until prefill holds nothing; its pool must then be whole."""
     deadline = time.monotonic() + timeout_s
-    s = stats(addr)
+    s = stats_of(addr)
     while s.held_requests and time.monotonic() < deadline:
         time.sleep(0.02)
-        s = stats(addr)
+        s = stats_of(addr)
     assert s.held_requests == 0 and s.held_blocks == 0, f"prefill still holds: {s}"
     assert s.free_blocks == NB - 1, f"prefill leaked blocks: {s}"
     assert s.prefilled == s.completed + s.released + s.expired, s
@@ -144,7 +120,7 @@ def test_notification_lost(prefill: PrefillThread, decode: DecodeWorker) -> None
     assert res.ok and verify_request(decode.cache, res.local_block_ids, 5) == []
     decode.finish("r1")
     assert_decode_clean(decode)
-    assert stats(addr).held_requests == 1  # prefill never heard the READ ended ...
+    assert stats_of(addr).held_requests == 1  # prefill never heard the READ ended ...
     s = wait_prefill_free(addr)  # ... so its lease frees the blocks
     assert (s.completed, s.expired, s.unknown_notifs) == (0, 1, [])
     assert_next_request_works(decode, addr, "r2")
@@ -191,7 +167,7 @@ def test_many_requests_aborted_mid_flight(prefill: PrefillThread, decode: Decode
     assert decode.transport.resume_reads() == 50  # type: ignore[attr-defined]
     decode.poll()
     assert_decode_clean(decode)
-    s = stats(addr)  # abort sends Release: prefill frees at once, not at lease end
+    s = stats_of(addr)  # abort sends Release: prefill frees at once, not at lease end
     assert (s.released, s.expired, s.held_requests) == (50, 0, 0)
     wait_prefill_free(addr)
     with pytest.raises(ValueError, match="'a0' is not pending"):
@@ -255,7 +231,7 @@ def test_decode_never_reads(prefill: PrefillThread, decode: DecodeWorker) -> Non
     addr = prefill.address
     for i in range(5):
         prefill_request(addr, f"orphan{i}", tokens=50 + i)
-    assert stats(addr).held_requests == 5
+    assert stats_of(addr).held_requests == 5
     s = wait_prefill_free(addr)
     assert s.expired == 5
     assert_next_request_works(decode, addr, "r2")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +33,7 @@ from kvstage.presets import preset, synthetic_layout
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
 from kvstage.transport import LoopbackTransport
-from tests.helpers import pool_state, raw_bytes
+from tests.helpers import pool_state, raw_bytes, wait_for
 from tests.pd.test_messages import GARBLED
 
 NUM_BLOCKS = 1024
@@ -74,13 +73,6 @@ def remote_stats(decode: DecodeWorker, addr: tuple[str, int]) -> m.Stats:
     stats = decode.client(*addr).call(m.GetStats())
     assert isinstance(stats, m.Stats)
     return stats
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def count_runs(remote: Sequence[Sequence[int]], local: Sequence[Sequence[int]]) -> int:

@@ -26,13 +26,15 @@ import pytest
 from kvstage.errors import TransportFailure
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
-from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.side_channel import HandshakeTimeout, SideChannelClient
+from kvstage.pd.decode import DecodeWorker
+from kvstage.pd.side_channel import HandshakeTimeout
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, make_decode
+from tests.helpers import call, finish_read, prefill_request, stats_of
 
 HAVE_NIXL = any(importlib.util.find_spec(n) is not None for n in ("nixl_cu12", "nixl"))
+
 pytestmark = [
     pytest.mark.nixl,
     pytest.mark.skipif(not HAVE_NIXL, reason="NIXL not installed (kvstage[nixl])"),
@@ -61,32 +63,6 @@ def decoder(choice: KVLayout = SMALL, **kwargs: Any) -> Iterator[DecodeWorker]:
         yield worker
 
 
-def call(addr: tuple[str, int], msg: m.Message, timeout_s: float = 10.0) -> m.Message:
-    return SideChannelClient(*addr, timeout_s=timeout_s).call(msg)
-
-
-def prefill_request(addr: tuple[str, int], rid: str, tokens: int = 200,
-                    seed: int = 1) -> m.PrefillDone:
-    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return done
-
-
-def stats(addr: tuple[str, int]) -> m.Stats:
-    s = call(addr, m.GetStats())
-    assert isinstance(s, m.Stats)
-    return s
-
-
-def finish_read(decode: DecodeWorker, res: RequestResult, timeout_s: float = 15.0) -> RequestResult:
-    deadline = time.monotonic() + timeout_s
-    while res.status == "pending" and time.monotonic() < deadline:
-        decode.poll()
-        time.sleep(0.001)
-    assert res.status != "pending", f"{res.request_id} still pending after {timeout_s} s"
-    return res
-
-
 def assert_decode_clean(decode: DecodeWorker) -> None:
     assert decode.pool.num_free == decode.layout.num_blocks - 1, "decode leaked blocks"
     assert decode.transport.num_open_handles == 0, "decode leaked NIXL handles"
@@ -96,10 +72,10 @@ def assert_decode_clean(decode: DecodeWorker) -> None:
 def wait_prefill_free(addr: tuple[str, int], num_blocks: int,
                       timeout_s: float = LEASE_S + 8) -> m.Stats:
     deadline = time.monotonic() + timeout_s
-    s = stats(addr)
+    s = stats_of(addr)
     while s.held_requests and time.monotonic() < deadline:
         time.sleep(0.05)
-        s = stats(addr)
+        s = stats_of(addr)
     assert s.held_requests == 0 and s.free_blocks == num_blocks - 1, f"prefill leaked: {s}"
     assert s.prefilled == s.completed + s.released + s.expired and s.open_handles == 0, s
     return s
@@ -139,7 +115,7 @@ def test_prefill_killed_before_the_read_then_restarted_on_the_same_port() -> Non
         try:
             addr = first.wait_ready()
             assert_request_works(decode, addr, "warm")  # connected, UCX endpoint up
-            done = prefill_request(addr, "doomed")
+            done = prefill_request(addr, "doomed", 200)
             kill_on_read(decode, first, delay_s=None)  # dies after Acquire, before READ
             res = finish_read(decode, decode.start("doomed", addr, done.block_ids,
                                                    capability=done.capability))
@@ -221,7 +197,7 @@ def test_decode_killed_while_prefill_holds_blocks() -> None:
         try:
             assert parent.poll(90), "decode child did not report"
             assert parent.recv() == ("done", True)
-            assert stats(addr).held_requests == 1
+            assert stats_of(addr).held_requests == 1
             os.kill(proc.pid or 0, signal.SIGKILL)
             proc.join(10)
         finally:
@@ -244,7 +220,7 @@ def test_read_beyond_the_remote_region_and_abort() -> None:
         remote = decode.connect(*addr)
         # a remote whose host buffer "moved": descriptors fall past prefill's registration
         decode._remotes[addr] = dataclasses.replace(remote, base=remote.base + (1 << 40))
-        done = prefill_request(addr, "beyond")
+        done = prefill_request(addr, "beyond", 200)
         res = finish_read(decode, decode.start("beyond", addr, done.block_ids,
                                                capability=done.capability))
         assert res.status == "failed"
@@ -253,7 +229,7 @@ def test_read_beyond_the_remote_region_and_abort() -> None:
         assert addr not in decode._remotes  # the bad handshake is dropped ...
         assert_request_works(decode, addr, "after")  # ... and the next request works
         # abort with real NIXL: aborted, handle released, prefill frees once
-        done = prefill_request(addr, "aborted")
+        done = prefill_request(addr, "aborted", 200)
         decode.start("aborted", addr, done.block_ids, capability=done.capability)
         res = decode.abort("aborted", reason="caller gave up")
         assert (res.status, res.reason) == ("aborted", "caller gave up")

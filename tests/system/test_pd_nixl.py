@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -29,6 +29,7 @@ from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, PrefillThread, make_decode, make_prefill
+from tests.helpers import stats_of, wait_for
 
 pytestmark = pytest.mark.nixl
 
@@ -69,19 +70,6 @@ def prefill_remote(addr: tuple[str, int], rid: str, tokens: int, seed: int) -> m
         m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed))
     assert isinstance(done, m.PrefillDone)
     return done
-
-
-def stats_of(addr: tuple[str, int]) -> m.Stats:
-    stats = SideChannelClient(*addr).call(m.GetStats())
-    assert isinstance(stats, m.Stats)
-    return stats
-
-
-def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def read(decode: DecodeWorker, addr: tuple[str, int], done: m.PrefillDone,
