@@ -42,6 +42,9 @@ def assert_invariants(rep: dict[str, Any], requests: int) -> None:
         assert p["prefilled"] == p["completed"] + p["released"] + p["expired"], p
         assert p["prefilled"] > 0, p  # every pair served requests
     assert set(rep["rss_bytes"]) == {"10%", "50%", "100%"}
+    hostile = rep["hostile"]  # a key holder forging at a share of the requests
+    assert hostile["forged_accepted"] == 0 and set(hostile["accepted"].values()) == {0}
+    assert hostile["forged_tried"] > 0 and all(hostile["tried"].values()), hostile
 
 
 @pytest.mark.timeout(120)
@@ -96,3 +99,23 @@ def test_soak_refuses_a_broken_invariant(tmp_path: Path,
                      "0", "--presets", "llama-3.1-8b")
     assert code == 1 and leaked
     assert any("decode pool has" in b and "(leak)" in b for b in rep["broken"])
+
+
+@pytest.mark.timeout(60)
+def test_soak_refuses_an_accepted_forgery(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checker itself: a prefill that honours any capability must fail the run."""
+    from kvstage.pd.prefill import PrefillWorker
+
+    real = PrefillWorker._authorized
+
+    def trusting(self: PrefillWorker, request_id: str, capability: bytes) -> object:
+        req = self._requests.get(request_id)  # every forgery carries the right token
+        return real(self, request_id, req.capability if req is not None else capability)
+
+    monkeypatch.setattr(PrefillWorker, "_authorized", trusting)
+    code, rep = soak(tmp_path, "--transport", "loopback", "--requests", "30", "--fault-rate",
+                     "0", "--presets", "llama-3.1-8b", "--hostile-rate", "0.5")
+    assert code == 1
+    assert rep["hostile"]["accepted"]["release"] > 0
+    assert any(b.startswith("forged state changes accepted: ") for b in rep["broken"])

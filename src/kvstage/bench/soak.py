@@ -37,11 +37,13 @@ import argparse
 import contextlib
 import math
 import random
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstage.bench import hostile
 from kvstage.bench.report import machine_info, write_json
 from kvstage.bench.soak_report import (
     FAULT_KINDS,
@@ -129,6 +131,8 @@ class Soak:
         self.backpressure = 0
         self.rss: dict[str, int] = {}
         self.child_rss: dict[str, dict[str, int]] = {}
+        self.key = secrets.token_bytes(32)  # the pairs' side channels are authenticated
+        self.hostiles = hostile.Hostiles(args.hostile_rate, args.seed + 2, self.key)
 
     # set-up ---------------------------------------------------------------------------
     def build(self) -> None:
@@ -141,7 +145,7 @@ class Soak:
             for choice in choices:
                 if a.transport == "nixl":
                     servers.append(PrefillProcess(choice.layout(), lease_s=lease,
-                                                  host_layout=choice.host_layout))
+                                                  host_layout=choice.host_layout, key=self.key))
                 else:
                     servers.append(self._thread(choice, lease))
             for choice, server in zip(choices, servers, strict=True):
@@ -160,7 +164,7 @@ class Soak:
             raise
 
     def _thread(self, choice: LayoutChoice, lease_s: float) -> PrefillThread:
-        return PrefillThread(make_prefill(choice.layout(), lease_s=lease_s,
+        return PrefillThread(make_prefill(choice.layout(), lease_s=lease_s, key=self.key,
                                           transport="loopback", host_layout=choice.host_layout))
 
     def _add(self, name: str, choice: LayoutChoice, server: PrefillThread | PrefillProcess,
@@ -169,15 +173,18 @@ class Soak:
         try:
             decode = make_decode(choice.layout(), transport=transport,
                                  host_layout=choice.host_layout,
-                                 read_timeout_s=read_timeout_s, handshake_timeout_s=10.0)
+                                 read_timeout_s=read_timeout_s, handshake_timeout_s=10.0,
+                                 key=self.key)
         except BaseException:
             server.stop()
             raise
         pair = Pair(name, choice, choice.layout(), decode, server, addr, lease_s, faulty)
         self.pairs.append(pair)
         decode.connect(*addr)
+        self.hostiles.add(name, addr, transport)
 
     def close(self) -> None:
+        self.hostiles.close()
         for p in self.pairs:
             with contextlib.suppress(Exception):
                 p.decode.close()
@@ -217,6 +224,7 @@ class Soak:
         done = self._prefill(pair, rec)
         if done is None:
             return
+        self.hostiles.maybe_attack(pair.name, rec.request_id)  # before decode starts it
         if fault == "lease_expired":
             # margin: prefill sweeps leases every few ms from its serving loop, and an
             # Acquire that arrives before the sweep still finds the blocks held
@@ -364,6 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
       default=64)
     a("--timeout-s", type=positive(float, "--timeout-s", high=86400.0), default=1800.0,
       help="bound on the whole run")
+    hostile.add_arguments(parser)
     add_json_argument(parser, "the summary and every request")
 
 

@@ -68,6 +68,7 @@ def build_report(soak: Any) -> dict[str, Any]:
             "prefill_open_handles": s.open_handles, "prefilled": s.prefilled,
             "completed": s.completed, "released": s.released, "expired": s.expired,
             "unknown_notifs": s.num_unknown_notifs,
+            "unauthorized": s.unauthorized, "bad_capability": s.bad_capability,
         }
         pairs.append(row)
         if p.pool.num_free != p.layout.num_blocks - 1:
@@ -92,6 +93,10 @@ def build_report(soak: Any) -> dict[str, Any]:
         shown = "; ".join(f"{r.request_id} ({r.fault}) -> {r.outcome}: {r.reason[:120]}"
                           for r in mismatched[:5])
         broken.append(f"{len(mismatched)} requests ended unlike their fault: {shown}")
+    hostile = soak.hostiles.report()
+    if hostile["forged_accepted"]:
+        broken.append(f"forged state changes accepted: {hostile['forged_accepted']} "
+                      f"({hostile['accepted']})")
     growth = soak.rss.get("100%", 0) - soak.rss.get("10%", 0)
     if growth > a.max_rss_growth_mib << 20:
         broken.append(f"RSS grew {growth / 2**20:.1f} MiB between 10% and 100% "
@@ -105,6 +110,7 @@ def build_report(soak: Any) -> dict[str, Any]:
         "by_fault": {k: dict(v) for k, v in sorted(by_fault.items())},
         "pairs": pairs,
         "backpressure_retries": soak.backpressure,
+        "hostile": hostile,
         "rss_bytes": soak.rss,
         "rss_growth_bytes": growth,
         "child_rss_bytes": soak.child_rss,
@@ -154,6 +160,11 @@ def print_report(rep: dict[str, Any], args: argparse.Namespace, wall_s: float) -
         vals = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in marks.items())
         print(f"  prefill child {name}: {vals} MiB")
     print(f"prefill back-pressure retries: {rep['backpressure_retries']}")
+    h = rep["hostile"]
+    tried = ", ".join(f"{k} {v}" for k, v in h["tried"].items())
+    print(f"hostile client (holds the key, rate {h['rate']}): tried {h['forged_tried']} "
+          f"forged state changes ({tried}); forged state changes accepted: "
+          f"{h['forged_accepted']}")
     if rep["broken"]:
         print("\nINVARIANTS BROKEN:")
         for b in rep["broken"]:
