@@ -10,6 +10,10 @@ fraction of requests get one injected fault:
 - ``read_fail`` (faulty pair): the READ ends FAILED -> request failed, prefill frees
   its blocks when the lease ends;
 - ``read_timeout`` (faulty pair): the READ stalls -> failed at the decode deadline;
+- ``stalled_resumes`` (faulty pair): the READ stalls, fails at the decode deadline, and
+  the stalled transfer resumes 0.2-1 s later while the pair serves other requests: its
+  late bytes must land only in its own quarantined blocks (every later request stays
+  byte-exact, and the quarantine gives the blocks back once the transfer ended);
 - ``abort_stalled`` (faulty pair): the READ stalls and is aborted mid-flight ->
   aborted, prefill frees on the Release;
 - ``notif_lost`` (faulty pair): bytes move but the notification is lost -> completed,
@@ -69,6 +73,7 @@ from kvstage.testing.servers import PrefillProcess, PrefillThread, make_decode, 
 from kvstage.transport import TRANSPORTS
 
 CHILD_START_S = 90.0
+STALLED = ("read_timeout", "abort_stalled", "stalled_resumes")  # faults that stall a READ
 
 
 # -- bookkeeping ----------------------------------------------------------------------------
@@ -113,7 +118,7 @@ class Pair:
     def set_faults(self, kind: str) -> None:
         t: Any = self.decode.transport
         t.fail_reads = kind == "read_fail"
-        t.stall_reads = kind in ("read_timeout", "abort_stalled")
+        t.stall_reads = kind in STALLED
         t.drop_notifs = kind == "notif_lost"
 
 
@@ -128,6 +133,9 @@ class Soak:
         self.records: list[Record] = []
         self.expiring: list[tuple[float, Pair, Record, m.PrefillDone]] = []
         self.aborts: list[tuple[float, Pair, str]] = []
+        # stalled transfers resume (late bytes land) at these times: a stalled prefill
+        # that wakes up after decode gave up on it
+        self.resumes: list[tuple[float, Pair]] = []
         self.backpressure = 0
         self.rss: dict[str, int] = {}
         self.child_rss: dict[str, dict[str, int]] = {}
@@ -289,6 +297,15 @@ class Soak:
             if when <= now:
                 self.aborts.remove((when, pair, rid))
                 self._abort(pair, rid, "soak: aborted a stalled READ mid-flight")
+        for resume in list(self.resumes):
+            pair = resume[1]
+            # resuming lands every stalled transfer of the pair: wait until none of them
+            # is still a pending request (it would complete, not fail as injected)
+            if resume[0] <= now and not any(rec.fault in STALLED for rec, _ in
+                                            pair.in_flight.values()):
+                self.resumes.remove(resume)
+                stalled: Any = pair.decode.transport
+                stalled.resume_reads()
         for item in list(self.expiring):
             when, pair, rec, done = item
             if when <= now:
@@ -320,6 +337,9 @@ class Soak:
             pair.ready.append((rec, res))
         else:
             self._end(rec, res.status, res.reason, code=res.code)
+            if rec.fault in STALLED:
+                late = (0.2, 1.0) if rec.fault == "stalled_resumes" else (0.0, 0.05)
+                self.resumes.append((time.monotonic() + self.rng.uniform(*late), pair))
 
     def _end(self, rec: Record, status: str, reason: str, *, verified: bool = False,
              code: str = "") -> None:
@@ -330,7 +350,8 @@ class Soak:
         """Finish everything in flight (bounded), then wait for the prefill leases."""
         end = min(deadline, time.monotonic() + 4 * max(p.lease_s for p in self.pairs) + 5)
         while time.monotonic() < end and (
-            self.expiring or self.aborts or any(p.in_flight or p.ready for p in self.pairs)
+            self.expiring or self.aborts or self.resumes
+            or any(p.in_flight or p.ready or p.decode.num_draining for p in self.pairs)
         ):
             self.service(finish_all=True)
         for pair in self.pairs:

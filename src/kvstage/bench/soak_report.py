@@ -11,7 +11,8 @@ from kvstage.errors import HandshakeTimeout, NotHeld, TransportFailure
 from kvstage.pd import decode
 from kvstage.testing.servers import PrefillThread
 
-FAULTY_KINDS = ("read_fail", "read_timeout", "abort_stalled", "notif_lost", "lease_expired")
+FAULTY_KINDS = ("read_fail", "read_timeout", "abort_stalled", "notif_lost", "lease_expired",
+                "stalled_resumes")
 FAULT_KINDS = (*FAULTY_KINDS, "abort")
 # what each injected fault must end as (the outcome categories of `categorize`)
 EXPECTED = {
@@ -19,6 +20,7 @@ EXPECTED = {
     "read_fail": "read_failed",
     "read_timeout": "read_timeout",
     "abort_stalled": "aborted",
+    "stalled_resumes": "read_timeout",
     "notif_lost": "completed",
     "lease_expired": "lease_expired",
     "abort": "aborted",
