@@ -166,7 +166,8 @@ def honest(decode: DecodeWorker, addr: tuple[str, int], key: bytes | None, rid: 
 @pytest.mark.parametrize("keyed", [False, True], ids=["no-key", "key"])
 def test_fuzz_live_prefill_then_honest_decode_is_exact_and_nothing_leaks(keyed: bool) -> None:
     key = KEY if keyed else None
-    proc = PrefillProcess(LAYOUT, transport="nixl", lease_s=30.0, key=key)
+    # the victim is held through the whole fuzz: its lease must outlast it
+    proc = PrefillProcess(LAYOUT, transport="nixl", lease_s=2 * FUZZ_S + 60, key=key)
     try:
         addr = proc.wait_ready()
         with make_decode(LAYOUT, transport="nixl", read_timeout_s=15.0,
