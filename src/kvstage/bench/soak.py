@@ -44,7 +44,6 @@ import random
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvstage.bench import hostile
@@ -56,70 +55,30 @@ from kvstage.bench.soak_report import (
     categorize,
     print_report,
 )
-from kvstage.bench.workloads import LayoutChoice, max_tokens, random_choice, rss_bytes
-from kvstage.blocks import BlockPool, request_blocks
+from kvstage.bench.workloads import (
+    STALLED,
+    LayoutChoice,
+    Pair,
+    Record,
+    max_tokens,
+    random_choice,
+    rss_bytes,
+)
+from kvstage.blocks import request_blocks
 from kvstage.cli.args import add_json_argument, fraction, number, positive
 from kvstage.errors import (
     PeerError,
     PoolExhausted,
     code_of,
 )
-from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
-from kvstage.pd.decode import DecodeWorker, RequestResult
+from kvstage.pd.decode import RequestResult
 from kvstage.presets import PRESETS
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, PrefillThread, make_decode, make_prefill
 from kvstage.transport import TRANSPORTS
 
 CHILD_START_S = 90.0
-STALLED = ("read_timeout", "abort_stalled", "stalled_resumes")  # faults that stall a READ
-
-
-# -- bookkeeping ----------------------------------------------------------------------------
-@dataclass
-class Record:
-    request_id: str
-    pair: str
-    fault: str
-    tokens: int
-    seed: int
-    outcome: str = "unfinished"
-    reason: str = ""
-
-
-@dataclass
-class Pair:
-    name: str
-    choice: LayoutChoice
-    layout: KVLayout
-    decode: DecodeWorker
-    server: PrefillThread | PrefillProcess
-    address: tuple[str, int]
-    lease_s: float
-    faulty: bool = False
-    in_flight: dict[str, tuple[Record, RequestResult]] = field(default_factory=dict)
-    ready: list[tuple[Record, RequestResult]] = field(default_factory=list)
-
-    @property
-    def pool(self) -> BlockPool:
-        assert self.decode.pool is not None  # make_decode gives every pair a pool
-        return self.decode.pool
-
-    @property
-    def busy(self) -> int:
-        return len(self.in_flight) + len(self.ready)
-
-    def stats(self) -> m.Stats:
-        reply = self.decode.client(*self.address).call(m.GetStats(), timeout_s=5.0)
-        assert isinstance(reply, m.Stats)
-        return reply
-
-    def set_faults(self, kind: str) -> None:
-        t: Any = self.decode.transport
-        t.fail_reads = kind == "read_fail"
-        t.stall_reads = kind in STALLED
-        t.drop_notifs = kind == "notif_lost"
 
 
 class Soak:

@@ -1,14 +1,19 @@
-"""What a soak runs on: random layouts per preset, prompt sizes that fit a pool, RSS."""
+"""What a soak runs on: random layouts per preset, prompt sizes that fit a pool, RSS, and
+its bookkeeping (a request record, a prefill/decode pair with its fault switches)."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from kvstage.blocks import request_blocks
+from kvstage.blocks import BlockPool, request_blocks
 from kvstage.cache import HostLayout
 from kvstage.layout import CacheLayout, KVLayout, MLASpec
+from kvstage.pd import messages as m
+from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.presets import preset
+from kvstage.testing.servers import PrefillProcess, PrefillThread
 
 MIN_BLOCKS = 48
 
@@ -72,3 +77,52 @@ def rss_bytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
+
+
+STALLED = ("read_timeout", "abort_stalled", "stalled_resumes")  # faults that stall a READ
+
+
+# -- bookkeeping ----------------------------------------------------------------------------
+@dataclass
+class Record:
+    request_id: str
+    pair: str
+    fault: str
+    tokens: int
+    seed: int
+    outcome: str = "unfinished"
+    reason: str = ""
+
+
+@dataclass
+class Pair:
+    name: str
+    choice: LayoutChoice
+    layout: KVLayout
+    decode: DecodeWorker
+    server: PrefillThread | PrefillProcess
+    address: tuple[str, int]
+    lease_s: float
+    faulty: bool = False
+    in_flight: dict[str, tuple[Record, RequestResult]] = field(default_factory=dict)
+    ready: list[tuple[Record, RequestResult]] = field(default_factory=list)
+
+    @property
+    def pool(self) -> BlockPool:
+        assert self.decode.pool is not None  # make_decode gives every pair a pool
+        return self.decode.pool
+
+    @property
+    def busy(self) -> int:
+        return len(self.in_flight) + len(self.ready)
+
+    def stats(self) -> m.Stats:
+        reply = self.decode.client(*self.address).call(m.GetStats(), timeout_s=5.0)
+        assert isinstance(reply, m.Stats)
+        return reply
+
+    def set_faults(self, kind: str) -> None:
+        t: Any = self.decode.transport
+        t.fail_reads = kind == "read_fail"
+        t.stall_reads = kind in STALLED
+        t.drop_notifs = kind == "notif_lost"
