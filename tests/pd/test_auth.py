@@ -380,3 +380,23 @@ def test_unknown_notifications_are_bounded() -> None:
         assert len(s.unknown_notifs) == MAX_UNKNOWN_NOTIFS
         assert all(len(r) <= 64 for r in s.unknown_notifs)
         assert s.unknown_notifs[-1].startswith(f"ghost-{n - 1}-")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{"ts_ms": (1 << 64) - 1}, {"ts_ms": 1 << 63}, {"nonce": b"n" * 300},
+     {"reply_to": b"r" * 300}],
+    ids=["uint64-ts", "int64-overflow-ts", "long-nonce", "long-reply-to"],
+)
+def test_envelope_fields_out_of_range_are_refused_and_the_server_lives(
+    fields: dict[str, object]
+) -> None:
+    """Found by the live fuzz: a MAC'd envelope whose timestamp does not fit int64 crashed
+    the keyed prefill (struct.error while packing the MAC header)."""
+    with serving(KEY) as server:
+        env = {"version": m.PROTOCOL_VERSION, "ts_ms": int(time.time() * 1000),
+               "nonce": b"n" * auth.NONCE_BYTES, "reply_to": b"", "mac": b"m" * 32,
+               "payload": m.encode(m.GetStats())} | fields
+        reply = raw_error(server.address, msgspec.msgpack.encode(env))
+        assert reply.code == "protocol_mismatch"
+        assert stats(server.address, KEY).held_requests == 0  # still serving

@@ -149,6 +149,13 @@ class Authenticator:
                 f"peer speaks side-channel protocol version {env.version!r}, this kvstage "
                 f"speaks {m.PROTOCOL_VERSION}: run the same kvstage version on both sides"
             )
+        # bounds the MAC's fixed-width header needs (a hostile uint64 timestamp or a long
+        # nonce must be refused here, never crash the packing)
+        if not 0 <= env.ts_ms < 1 << 63 or len(env.nonce) > 255 or len(env.reply_to) > 255:
+            raise ProtocolMismatch(
+                "side-channel envelope out of range: timestamp must be a non-negative "
+                "int64 and nonce / reply_to at most 255 bytes"
+            )
         return env
 
     def _verify(self, env: Envelope, direction: bytes) -> None:

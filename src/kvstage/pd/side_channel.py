@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvstage.errors import HandshakeTimeout, InvalidRequest, PeerError
+from kvstage.errors import HandshakeTimeout, InvalidRequest, PeerError, ProtocolMismatch
 from kvstage.pd.auth import Authenticator, check_bind
 from kvstage.pd.messages import MAX_MESSAGE_BYTES, Error, Message
 
@@ -125,6 +125,10 @@ class SideChannelServer:
             msg, nonce = self._auth.open_request(payload)
         except (ValueError, PermissionError) as exc:
             return Route(routing, self._auth.peek_nonce(payload)), exc
+        except Exception as exc:  # hostile input must never stop the server: refuse it
+            return Route(routing, self._auth.peek_nonce(payload)), ProtocolMismatch(
+                f"unreadable side-channel message ({type(exc).__name__})"
+            )
         return Route(routing, nonce), msg
 
     def reply(self, route: Route, msg: Message) -> None:
