@@ -41,6 +41,7 @@ from kvstage.transport.base import (
     validate_descs,
     validate_read,
 )
+from kvstage.transport.nixl_state import AgentState
 
 if TYPE_CHECKING:
     import torch
@@ -72,45 +73,6 @@ def _import_nixl(env: dict[str, str]) -> ModuleType:
 
 def _fail(what: str, e: Exception, hint: str) -> TransportError:
     return TransportError(f"{what}: {type(e).__name__}: {e}. {hint}")
-
-
-class _State:
-    """Everything close() must undo; held by the finaliser, so it must not refer to the
-    NixlTransport itself (that would keep it alive forever)."""
-
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-        self.reg_dlists: list[Any] = []
-        self.regions: list[MemoryRegion] = []
-        self.tensors: list[torch.Tensor] = []  # keeps registered tensors alive
-        self.peers: set[str] = set()
-        self.peer_meta: dict[bytes, str] = {}  # metadata loaded -> peer name
-        self.preps: dict[int, Any] = {}  # prepared descriptor lists (prep_xfer_dlist)
-        self.xfers: dict[int, Any] = {}  # our handle id -> nixl_xfer_handle
-        self.final: dict[int, TransferState] = {}  # DONE/FAILED seen once, kept
-        self.reasons: dict[int, str] = {}
-        self.closed = False
-
-    def close(self) -> None:
-        """Best effort, never raises: runs from close(), the finaliser or atexit."""
-        if self.closed:
-            return
-        self.closed = True
-        agent, self.agent = self.agent, None
-        steps: list[tuple[Any, Any]] = [(agent.release_xfer_handle, x) for x in self.xfers.values()]
-        steps += [(agent.release_dlist_handle, d) for d in self.preps.values()]
-        steps += [(agent.remove_remote_agent, p) for p in self.peers]
-        steps += [(agent.deregister_memory, r) for r in self.reg_dlists]
-        for fn, arg in steps:
-            # A dead peer or an uncancellable in-flight READ must not stop the rest.
-            with contextlib.suppress(Exception):
-                fn(arg)
-        for container in (self.xfers, self.final, self.reasons, self.peers, self.peer_meta,
-                          self.preps):
-            container.clear()
-        self.reg_dlists.clear()
-        self.regions.clear()
-        self.tensors.clear()
 
 
 class NixlTransport(ClosingContext):
@@ -163,11 +125,11 @@ class NixlTransport(ClosingContext):
             ) from e
         self.name = name
         self.backend = backend
-        self._state = _State(agent)
+        self._state = AgentState(agent)
         self._ids = itertools.count(1)
-        self._finalizer = weakref.finalize(self, _State.close, self._state)
+        self._finalizer = weakref.finalize(self, AgentState.close, self._state)
 
-    def _open(self) -> _State:
+    def _open(self) -> AgentState:
         if self._state.closed:
             raise TransportError(f"transport {self.name!r} is closed")
         return self._state
@@ -238,7 +200,7 @@ class NixlTransport(ClosingContext):
         except Exception as e:
             raise _fail(f"NIXL could not remove peer {name!r}", e, "It is forgotten anyway.") from e
 
-    def _check_peer(self, peer: str) -> _State:
+    def _check_peer(self, peer: str) -> AgentState:
         st = self._open()
         if peer not in st.peers:
             raise ValueError(
@@ -283,7 +245,7 @@ class NixlTransport(ClosingContext):
             ) from e
         return self._post(st, xfer, what)
 
-    def _post(self, st: _State, xfer: Any, what: str) -> int:
+    def _post(self, st: AgentState, xfer: Any, what: str) -> int:
         try:
             status = st.agent.transfer(xfer)
         except Exception as e:
@@ -337,7 +299,7 @@ class NixlTransport(ClosingContext):
                         "Indices must lie inside the prepared lists.") from e
         return self._post(st, xfer, f"prepared READ of {len(local_idx)} rows from {peer!r}")
 
-    def _xfer(self, handle: int) -> tuple[_State, Any]:
+    def _xfer(self, handle: int) -> tuple[AgentState, Any]:
         st = self._open()
         xfer = st.xfers.get(handle)
         if xfer is None:
