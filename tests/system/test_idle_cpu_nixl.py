@@ -27,6 +27,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.xfail(strict=True, reason=(
+    "the progress thread is back on by default: without it the CLI prefill died with "
+    "SIGSEGV after a SIGTERMed decode peer in tests/system/test_netns.py (about half the "
+    "runs, 2026-12-03); with it, 5 of 5 runs passed. Idle prefill spins ~98% of a core "
+    "until that crash is understood (issue 14)"))
 def test_idle_prefill_cli_uses_a_small_share_of_a_core() -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvstage.cli", "prefill", "--listen", "127.0.0.1:0",

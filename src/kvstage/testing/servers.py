@@ -49,14 +49,15 @@ def make_prefill(
     verify_checksum: bool = False,
 ) -> PrefillWorker:
     """A prefill role over kvstage's own cache and pool, writing the pattern as KV
-    (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`). A NIXL agent runs
-    without its busy-polling progress thread unless ``transport_options`` says otherwise:
-    an idle prefill then sleeps in the side channel's poll, and `PrefillWorker.serve_once`
-    drives UCX while it holds requests (BENCHMARKS.md "Idle CPU")."""
+    (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`). The NIXL agent keeps
+    its progress thread: without it (``transport_options={"progress_thread": False}``,
+    where `PrefillWorker.serve_once` drives UCX) an idle prefill sleeps, but the CLI
+    prefill died with SIGSEGV after a SIGTERMed decode peer in about half the netns
+    runs (BENCHMARKS.md "Idle CPU")."""
     cache = KVCache(layout, device)
     pool = BlockPool(layout.num_blocks)
     eid = engine_id or f"prefill-{os.urandom(4).hex()}"
-    options = ({"progress_thread": False} if transport == "nixl" else {}) | dict(
+    options = ({"progress_thread": True} if transport == "nixl" else {}) | dict(
         transport_options or {})
     return PrefillWorker(
         cache, make_transport(transport, eid, **options),
