@@ -47,7 +47,7 @@ new vLLM version; everything else is vLLM's own code):
 
 from __future__ import annotations
 
-import threading
+import re
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,31 +78,7 @@ KVSTAGE_PROTOCOL = 1
 HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
 FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
 
-class _LocalHash(str):
-    """This side's compatibility hash. vLLM 0.32.0 compares ``remote != compat_hash`` and
-    reports a mismatch only in an error's text; as a ``str`` subclass on the right-hand
-    side this ``__ne__`` runs first and records the remote hash it saw (per thread: vLLM
-    handshakes in background threads), so the refusal is decided on that record, never
-    on vLLM's message."""
-
-    _seen = threading.local()
-
-    def __ne__(self, other: object) -> bool:
-        if isinstance(other, str) and str.__ne__(self, other):
-            self._seen.remote = str(other)
-            return True
-        return False
-
-    def __eq__(self, other: object) -> bool:
-        return not self.__ne__(other)
-
-    __hash__ = str.__hash__
-
-    def take_mismatch(self) -> str | None:
-        """The remote hash of this thread's last mismatch (once), else None."""
-        remote = getattr(self._seen, "remote", None)
-        self._seen.remote = None
-        return remote
+_REMOTE_HASH = re.compile(r"Remote: ([^\s,]+?)\.?(?:\s|$)")
 
 
 def _force_host_buffer(vllm_config: VllmConfig) -> bool:
@@ -163,24 +139,22 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         super().register_kv_caches(kv_caches)
         assert self.compat_hash is not None
         payload = self.xfer_handshake_metadata
-        self.compat_hash = _LocalHash(HASH_PREFIX + self.compat_hash)
+        self.compat_hash = HASH_PREFIX + self.compat_hash
         self.xfer_handshake_metadata = NixlHandshakePayload(
-            compatibility_hash=str(self.compat_hash),
+            compatibility_hash=self.compat_hash,
             agent_metadata_bytes=payload.agent_metadata_bytes,
         )
 
     def _nixl_handshake(
         self, host: str, port: int, *args: Any, **kwargs: Any
     ) -> tuple[dict[tuple[int, int], str], float]:
-        local = self.compat_hash
-        if isinstance(local, _LocalHash):
-            local.take_mismatch()  # clear this thread's record
         try:
             return super()._nixl_handshake(host, port, *args, **kwargs)
         except RuntimeError as e:
-            remote = local.take_mismatch() if isinstance(local, _LocalHash) else None
-            if remote is None:  # not the hash check: vLLM's own error as it is
+            if "compatibility hash mismatch" not in str(e):
                 raise
+            match = _REMOTE_HASH.search(str(e))
+            remote = match.group(1) if match else "?"
             if not remote.startswith("kvstage"):
                 raise RuntimeError(
                     f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
