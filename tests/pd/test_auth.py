@@ -17,7 +17,6 @@ from collections.abc import Iterator
 
 import msgspec
 import pytest
-import zmq
 
 import kvstage as ks
 from kvstage.errors import InvalidRequest, NotHeld, PeerError, Unauthorized
@@ -26,7 +25,7 @@ from kvstage.pd import messages as m
 from kvstage.pd import prefill as prefill_module
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import MAX_UNKNOWN_NOTIFS
-from kvstage.pd.side_channel import SideChannelClient
+from kvstage.pd.side_channel import SideChannelClient, send_raw
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
 
@@ -87,16 +86,9 @@ def refusal_code(exc: BaseException) -> str:
 
 def raw_call(addr: tuple[str, int], payload: bytes, timeout_s: float = 5.0) -> bytes:
     """Send raw bytes on a REQ socket and return the raw reply (bounded)."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(f"tcp://{addr[0]}:{addr[1]}")
-        sock.send(payload)
-        assert sock.poll(int(timeout_s * 1000), zmq.POLLIN), "no reply"
-        return sock.recv()
-    finally:
-        sock.close(linger=0)
+    reply = send_raw(*addr, payload, timeout_s=timeout_s)
+    assert reply is not None, "no reply"
+    return reply
 
 
 def raw_error(addr: tuple[str, int], payload: bytes) -> m.Error:
@@ -352,15 +344,9 @@ def test_errors_never_echo_much_input() -> None:
 
 def test_oversized_message_is_dropped_and_prefill_survives() -> None:
     with serving() as server:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(f"tcp://{server.address[0]}:{server.address[1]}")
-            sock.send(b"\x00" * (m.MAX_MESSAGE_BYTES + 1))
-            assert not sock.poll(300, zmq.POLLIN)  # zmq dropped the connection: no reply
-        finally:
-            sock.close(linger=0)
+        oversized = b"\x00" * (m.MAX_MESSAGE_BYTES + 1)
+        # zmq dropped the connection: no reply
+        assert send_raw(*server.address, oversized, timeout_s=0.3) is None
         assert stats(server.address).held_requests == 0
 
 

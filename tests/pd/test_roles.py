@@ -19,7 +19,6 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-import zmq
 
 import kvstage as ks
 from kvstage.cache import HostLayout
@@ -28,7 +27,7 @@ from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, pair_runs
 from kvstage.pd.prefill import PrefillWorker
-from kvstage.pd.side_channel import PeerError, SideChannelClient, parse_address
+from kvstage.pd.side_channel import PeerError, SideChannelClient, parse_address, send_raw
 from kvstage.presets import preset, synthetic_layout
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
@@ -313,16 +312,9 @@ def stats(addr: tuple[str, int]) -> m.Stats:
 
 
 def raw_call(addr: tuple[str, int], payload: bytes) -> m.Message:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        sock.connect(f"tcp://{addr[0]}:{addr[1]}")
-        sock.send(payload)
-        assert sock.poll(5000), "prefill did not answer a garbled message"
-        return auth.Authenticator(None).open_reply(sock.recv(), None)
-    finally:
-        sock.close(linger=0)
+    reply = send_raw(*addr, payload, timeout_s=5.0)
+    assert reply is not None, "prefill did not answer a garbled message"
+    return auth.Authenticator(None).open_reply(reply, None)
 
 
 @dataclass

@@ -36,13 +36,11 @@ import uuid
 from collections import Counter
 from typing import Any
 
-import zmq
-
 from kvstage.cli.args import fraction
 from kvstage.errors import PeerError, Unauthorized
 from kvstage.pd import auth
 from kvstage.pd import messages as m
-from kvstage.pd.side_channel import SideChannelClient
+from kvstage.pd.side_channel import SideChannelClient, send_raw
 from kvstage.transport import make_transport
 from kvstage.transport.base import Transport
 
@@ -90,17 +88,10 @@ class Hostile:
             self.accepted[kind] += 1
 
     def _raw(self, wire: bytes) -> m.Message:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        sock = ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        try:
-            sock.connect(f"tcp://{self.address[0]}:{self.address[1]}")
-            sock.send(wire)
-            if not sock.poll(20_000, zmq.POLLIN):
-                raise TimeoutError("prefill did not answer the hostile client")
-            return auth.Authenticator(None).open_reply(sock.recv(), None)
-        finally:
-            sock.close(linger=0)
+        reply = send_raw(*self.address, wire, timeout_s=20.0)
+        if reply is None:
+            raise TimeoutError("prefill did not answer the hostile client")
+        return auth.Authenticator(None).open_reply(reply, None)
 
     def attack(self, rid: str) -> None:
         wrong = secrets.token_bytes(auth.TOKEN_BYTES)

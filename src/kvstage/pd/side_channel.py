@@ -11,10 +11,15 @@ Authentication (`kvstage.pd.auth`): with ``key``, every request and reply is sea
 owner as an `Unauthorized` error (the owner replies ``Error(code="unauthorized")``), a
 client raises `Unauthorized` for a reply it cannot verify. ``SideChannelServer`` refuses a
 non-loopback address without a key unless ``insecure``.
+
+`send_raw` sends bytes a `SideChannelClient` would never produce (tests, benches, fuzzing)
+and returns the raw reply, or None when none comes within its bound.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -27,7 +32,8 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_TIMEOUT_S = 5.0
 
 
-__all__ = ["HandshakeTimeout", "PeerError", "SideChannelClient", "SideChannelServer"]
+__all__ = ["HandshakeTimeout", "PeerError", "SideChannelClient", "SideChannelServer",
+           "send_raw"]
 
 
 def parse_address(address: str, *, default_host: str = DEFAULT_HOST) -> tuple[str, int]:
@@ -82,6 +88,35 @@ class SideChannelClient:
                 f"{self.endpoint} refused {type(msg).__name__}: {reply.message}", reply.code
             )
         return reply
+
+
+def send_raw(host: str, port: int, payload: bytes, *, timeout_s: float) -> bytes | None:
+    """Send ``payload`` as is on a fresh REQ socket to ``tcp://host:port``; return the raw
+    reply, or None if none arrives within ``timeout_s`` (sending included).
+
+    For tests, benches and fuzzing that must send bytes a `SideChannelClient` would never
+    produce (garbage, replays, messages sealed with another key). Nothing is sealed,
+    checked or decoded; the socket is always closed (LINGER 0), so a late reply is lost.
+    """
+    if not 0 < timeout_s < float("inf"):
+        raise InvalidRequest(f"timeout_s must be a finite number > 0, got {timeout_s}")
+    deadline = time.monotonic() + timeout_s
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, max(1, math.ceil(timeout_s * 1000)))
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        try:
+            sock.send(payload)
+        except zmq.Again:  # could not even queue it within the bound
+            return None
+        left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        if not sock.poll(left_ms, zmq.POLLIN):
+            return None
+        return sock.recv()
+    finally:
+        sock.close(linger=0)
 
 
 @dataclass(frozen=True)
