@@ -55,8 +55,9 @@ def add_arguments(a: Any) -> None:
       help="--pipeline: request sizes in MiB (whole blocks of the preset)")
     a("--plot", default=None, metavar="PATH.png", help="--pipeline: write the plot here")
     a("--device", default="cpu", help="--pipeline: decode's device (cuda: copy stream)")
-    a("--progress-thread", action="store_true",
-      help="--pipeline: give decode's NIXL agent its (busy-polling) progress thread")
+    a("--no-progress-thread", dest="progress_thread", action="store_false",
+      help="--pipeline: decode's NIXL agent without its progress thread (which sleeps "
+           "while idle); decode's polls then progress its READs")
 
 
 def _one(decode: DecodeWorker, client: SideChannelClient, addr: tuple[str, int], rid: str,
@@ -93,9 +94,6 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     try:
         addrs = {"plain": plain.wait_ready(), "hash": hashing.wait_ready()}
-        # no busy-polling NIXL progress thread here either (BENCHMARKS.md "Idle CPU"): on a
-        # 2-core host it would take the core the loader thread needs; decode's own polls
-        # progress its READs
         with make_decode(lay, transport="nixl", device=args.device, read_timeout_s=60.0,
                          handshake_timeout_s=30.0,
                          transport_options={"progress_thread": args.progress_thread},

@@ -51,7 +51,7 @@ from kvstage.transport.base import Transport
 
 DEFAULT_LEASE_S = 30.0
 #: serve_once's longest wait while requests are held: with the NIXL progress thread off
-#: (`make_prefill`), the notification poll after it is what progresses UCX over tcp
+#: (``progress_thread=False``), the notification poll after it progresses UCX over tcp
 ACTIVE_POLL_S = 0.0005
 MAX_UNKNOWN_NOTIFS = 64  # the record of unknown notifications is bounded
 
@@ -348,7 +348,7 @@ class PrefillWorker:
         )
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
-        if self._requests:  # a READ may be served: our calls drive UCX (no progress thread)
+        if self._requests:  # a READ may be served: without a progress thread our calls drive UCX
             timeout_s = min(timeout_s, ACTIVE_POLL_S)
         got = self.server.poll(timeout_s)
         if got is not None:

@@ -50,10 +50,10 @@ def make_prefill(
 ) -> PrefillWorker:
     """A prefill role over kvstage's own cache and pool, writing the pattern as KV
     (``key``, ``insecure``, ``max_hold_s``: see `PrefillWorker`). The NIXL agent keeps
-    its progress thread: without it (``transport_options={"progress_thread": False}``,
-    where `PrefillWorker.serve_once` drives UCX) an idle prefill sleeps, but the CLI
-    prefill died with SIGSEGV after a SIGTERMed decode peer in about half the netns
-    runs (BENCHMARKS.md "Idle CPU")."""
+    its progress thread, which sleeps while idle (`kvstage.transport.nixl_agent`).
+    Without a thread (``transport_options={"progress_thread": False}``, where
+    `PrefillWorker.serve_once` drives UCX) the CLI prefill died with SIGSEGV after a
+    SIGTERMed decode peer in about half the netns runs (BENCHMARKS.md "Idle CPU")."""
     cache = KVCache(layout, device)
     pool = BlockPool(layout.num_blocks)
     eid = engine_id or f"prefill-{os.urandom(4).hex()}"

@@ -41,6 +41,11 @@ from kvstage.transport.base import (
     validate_descs,
     validate_read,
 )
+from kvstage.transport.nixl_agent import (
+    DEFAULT_PROGRESS_DELAY_US,
+    check_progress_delay,
+    create_agent,
+)
 from kvstage.transport.nixl_state import AgentState
 
 if TYPE_CHECKING:
@@ -85,10 +90,12 @@ class NixlTransport(ClosingContext):
     0.4-0.7; 4 threads was worse than 2. ``ucx_env`` None means ``default_ucx_env()``;
     ``{}`` sets nothing. ``backend_params`` are passed to ``create_backend`` (e.g.
     ``{"ucx_error_handling_mode": "none"}``; see the module doc for why not).
-    ``progress_thread`` False: no NIXL progress thread (nixl-cu12 1.5.1 runs it with
-    ``pthrDelay = 0``, a busy loop: a core per idle agent); UCX then progresses only
-    inside our calls (``poll``, ``get_notifs``, ``read``), so the owner must call one of
-    them often while a peer READs from it.
+    ``progress_delay_us``: the NIXL progress thread waits on UCX's event fd for up to
+    this long between polls (nixl-cu12 1.5.1's wrapper sets 0, a busy loop: a core per
+    idle agent; see `kvstage.transport.nixl_agent`); 0 restores NIXL's busy loop.
+    ``progress_thread`` False: no NIXL progress thread; UCX then progresses only inside
+    our calls (``poll``, ``get_notifs``, ``read``), so the owner must call one of them
+    often while a peer READs from it.
     """
 
     def __init__(
@@ -100,11 +107,13 @@ class NixlTransport(ClosingContext):
         ucx_env: dict[str, str] | None = None,
         backend_params: dict[str, str] | None = None,
         progress_thread: bool = True,
+        progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US,
     ) -> None:
         if not name:
             raise ValueError("NixlTransport needs a non-empty, per-process unique name")
         if num_threads < 0:
             raise ValueError(f"num_threads must be >= 0 (0: no thread pool); got {num_threads}")
+        check_progress_delay(progress_delay_us)
         api = _import_nixl(default_ucx_env() if ucx_env is None else dict(ucx_env))
         params = dict(backend_params or {})
         if num_threads > 0:
@@ -112,8 +121,8 @@ class NixlTransport(ClosingContext):
         try:
             # backends=[] then create_backend: nixl_agent skips a missing plugin with only
             # a warning, create_backend raises.
-            config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
-            agent = api.nixl_agent(name, config)
+            agent = create_agent(api, name, progress_thread=progress_thread,
+                                 delay_us=progress_delay_us)
             agent.create_backend(backend, params)
         except Exception as e:
             env = {k: os.environ.get(k) for k in ("UCX_TLS", "UCX_NET_DEVICES")}
