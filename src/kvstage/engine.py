@@ -140,20 +140,24 @@ class CopyEngine:
         plan = plan_copy(self.layout, grouped, max_temp_bytes=self.max_temp_bytes)
         return self.run(plan, direction)
 
-    def run(self, plan: CopyPlan, direction: Direction) -> CopyStats:
-        """Execute a plan (from `plan`, or `plan_copy` over validated ids)."""
-        num_blocks = plan.num_blocks
-        if num_blocks:
+    def run(self, plan: CopyPlan, direction: Direction, *, sync: bool = True) -> CopyStats:
+        """Execute a plan (from `plan`, or `plan_copy` over validated ids). ``sync``
+        False (CUDA): return once the copies are queued on the current stream; the caller
+        synchronises (`kvstage.pd.saves` records an event on its copy stream)."""
+        if plan.num_blocks:
             if self.mode == "direct":
-                runs = plan.run_list
-                self._direct(runs, direction)
-                num_runs = len(runs)
+                self._direct(plan.run_list, direction)
             else:
                 self._staged(plan, direction)
-                num_runs = plan.num_runs
-            self._sync()
-        else:
-            num_runs = 0
+            if sync:
+                self._sync()
+        return self.stats(plan, direction)
+
+    def stats(self, plan: CopyPlan, direction: Direction) -> CopyStats:
+        """What running ``plan`` moves and how (known before it runs)."""
+        num_blocks = plan.num_blocks
+        num_runs = 0 if not num_blocks else (
+            len(plan.run_list) if self.mode == "direct" else plan.num_runs)
         chunks = plan.num_chunks if self.mode == "staged" else 0
         return CopyStats(direction, num_blocks, num_runs, chunks, num_blocks * self._block_bytes)
 

@@ -24,7 +24,7 @@ from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd import prefill as prefill_module
 from kvstage.pd.decode import DecodeWorker
-from kvstage.pd.prefill import MAX_UNKNOWN_NOTIFS
+from kvstage.pd.prefill_state import MAX_UNKNOWN_NOTIFS
 from kvstage.pd.side_channel import SideChannelClient, send_raw
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill

@@ -1,10 +1,12 @@
 """PrefillWorker: the prefill role. KV the engine wrote -> host buffer -> served to decode.
 
 Primitives (what an engine calls):
-- ``save(request_id, block_ids)``: d2h of blocks whose KV the engine has written. May be
-  called once per prefill step (chunked prefill): ids already saved for the request are
-  copied again (the last, partly filled block of a chunk is completed by the next), new
-  ones are added to the request.
+- ``save(request_id, block_ids, wait=True)``: d2h of blocks whose KV the engine has
+  written. May be called once per prefill step (chunked prefill): ids already saved for
+  the request are copied again (the last, partly filled block of a chunk is completed by
+  the next), new ones are added to the request. ``wait=False`` queues the copy
+  (`kvstage.pd.saves`: a CUDA copy stream, or a CPU thread) so it overlaps the engine's
+  next chunk; ``hold`` waits for it (and raises a copy's error: then ``release``).
 - ``hold(request_id)``: the request is complete; its blocks are held under a lease
   (default 30 s, renewable by Acquire up to ``max_hold_s`` in total, default 4 leases)
   and decode may READ them. Returns the ids and the request's capability (an
@@ -33,19 +35,21 @@ not guaranteed thread-safe); ``stop`` may be called from any thread or a signal 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
-from kvstage.engine import CopyEngine, CopyStats
+from kvstage.engine import CopyEngine, CopyStats, Direction
 from kvstage.errors import InvalidRequest, KVStageError, NotHeld, Unauthorized, code_of
 from kvstage.pd import auth, integrity
 from kvstage.pd import messages as m
+from kvstage.pd.prefill_state import PrefillCounters, SavedRequest
+from kvstage.pd.saves import SaveQueue
 from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
 from kvstage.transport.base import Transport
 
@@ -53,36 +57,11 @@ DEFAULT_LEASE_S = 30.0
 #: serve_once's longest wait while requests are held: with the NIXL progress thread off
 #: (``progress_thread=False``), the notification poll after it progresses UCX over tcp
 ACTIVE_POLL_S = 0.0005
-MAX_UNKNOWN_NOTIFS = 64  # the record of unknown notifications is bounded
 
 #: Writes a prompt's KV into blocks it allocates: (request_id, num_tokens, seed) -> ids
 Producer = Callable[[str, int, int], list[list[int]]]
 #: Called when the worker lets go of a request's blocks: (request_id, block_ids)
 OnFree = Callable[[str, list[list[int]]], None]
-
-
-@dataclass
-class _Request:
-    block_ids: list[list[int]]
-    held: bool = False
-    deadline: float = 0.0
-    d2h_s: float = 0.0
-    nbytes: int = 0
-    capability: bytes = b""  # issued by hold()
-    hold_until: float = 0.0  # no renewal past this (held at + max_hold_s)
-    digests: dict[int, int] = field(default_factory=dict)  # verify_checksum: id -> xxh3
-
-
-@dataclass
-class PrefillCounters:
-    prefilled: int = 0  # requests held
-    completed: int = 0  # freed by a decode notification
-    released: int = 0  # freed by an explicit Release
-    expired: int = 0  # freed by the lease
-    unknown_notifs: list[str] = field(default_factory=list)  # the last MAX_UNKNOWN_NOTIFS
-    num_unknown_notifs: int = 0
-    unauthorized: int = 0  # side-channel messages refused (no/wrong MAC, stale, replayed)
-    bad_capability: int = 0  # Acquire/Release/notification with a wrong or missing token
 
 
 class PrefillWorker:
@@ -128,6 +107,7 @@ class PrefillWorker:
         try:
             self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
             self.engine = CopyEngine(cache, self.host)
+            self._saves = SaveQueue(self.engine)
             # registered once, at start-up: pinning and key exchange are far too slow
             # per request
             self.transport.register(self.host.data_ptr, self.host.nbytes)
@@ -136,7 +116,7 @@ class PrefillWorker:
             self.transport.close()
             raise
         self.counters = PrefillCounters()
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, SavedRequest] = {}
         self._stop = threading.Event()
         self._closed = False
 
@@ -156,8 +136,10 @@ class PrefillWorker:
         return sum(1 for r in self._requests.values() if r.held)
 
     # -- the engine's primitives ----------------------------------------------------------
-    def save(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> CopyStats:
-        """d2h ``block_ids`` (one list per group) of a request the engine is prefilling."""
+    def save(self, request_id: str, block_ids: Sequence[Sequence[int]], *,
+             wait: bool = True) -> CopyStats:
+        """d2h ``block_ids`` (one list per group) of a request the engine is prefilling;
+        ``wait=False``: queued behind the request's earlier saves, done by ``hold``."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequest(f"request_id must be a non-empty string, got {request_id!r}")
         req = self._requests.get(request_id)
@@ -167,20 +149,37 @@ class PrefillWorker:
                 "before hold(), or use a new id"
             )
         ids = GroupedBlockIds(block_ids, self.layout)  # validates before a byte moves
-        start = time.perf_counter()
-        stats = self.engine.save_to_host(ids)
+        plan = self.engine.plan(ids)
         if req is None:
-            req = self._requests[request_id] = _Request([[] for _ in block_ids])
-        if self.verify_checksum:  # after the copy (synchronised): the bytes decode reads
-            flat = [b for g in ids.groups for b in g if b]
-            req.digests.update(zip(flat, integrity.block_digests(self.host, flat),
-                                   strict=True))
+            req = self._requests[request_id] = SavedRequest([[] for _ in block_ids])
+        flat = [b for g in ids.groups for b in g if b]
+        if wait:
+            self._settle(request_id, req)  # its queued saves first: the later bytes win
+            start = time.perf_counter()
+            stats = self.engine.run(plan, Direction.D2H)
+            if self.verify_checksum:  # after the copy (synchronised): the bytes decode reads
+                req.digests.update(zip(flat, integrity.block_digests(self.host, flat),
+                                       strict=True))
+            req.d2h_s += time.perf_counter() - start
+        else:
+            stats = self.engine.stats(plan, Direction.D2H)
+            self._saves.submit(request_id, plan)
+            req.unhashed.update(flat)
         for have, new in zip(req.block_ids, ids.groups, strict=True):
             seen = set(have)
             have.extend(b for b in new if b not in seen)
-        req.d2h_s += time.perf_counter() - start
         req.nbytes += stats.nbytes
         return stats
+
+    def _settle(self, request_id: str, req: SavedRequest) -> None:
+        """Wait for the request's queued saves; hash what they wrote."""
+        if not self._saves.pending(request_id):
+            return
+        req.d2h_s += self._saves.wait(request_id)
+        if self.verify_checksum and req.unhashed:
+            flat = sorted(req.unhashed)
+            req.digests.update(zip(flat, integrity.block_digests(self.host, flat), strict=True))
+        req.unhashed.clear()
 
     def hold(self, request_id: str, lease_s: float | None = None) -> m.PrefillDone:
         """Every block is saved: hold them under a lease for decode to READ."""
@@ -189,11 +188,12 @@ class PrefillWorker:
             raise NotHeld(f"request {request_id!r} has no saved blocks here; save() first")
         if req.held:
             raise InvalidRequest(f"request {request_id!r} is already held")
+        self._settle(request_id, req)  # decode may READ only bytes that have landed
         now = time.monotonic()
-        req.held = True
         req.capability = auth.new_capability()
         req.hold_until = now + self.max_hold_s
         req.deadline = min(now + (lease_s or self.lease_s), req.hold_until)
+        req.held = True  # last: a held request always has its deadline and capability
         self.counters.prefilled += 1
         return m.PrefillDone(
             request_id=request_id, block_ids=[list(g) for g in req.block_ids],
@@ -201,7 +201,7 @@ class PrefillWorker:
             capability=req.capability, checksums=self._checksums(req),
         )
 
-    def _checksums(self, req: _Request) -> list[list[int]]:
+    def _checksums(self, req: SavedRequest) -> list[list[int]]:
         if not self.verify_checksum:
             return []
         return [[req.digests.get(b, 0) for b in g] for g in req.block_ids]
@@ -247,6 +247,8 @@ class PrefillWorker:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        with contextlib.suppress(Exception):  # a queued copy must not read reused blocks
+            self._saves.wait(request_id)
         self._give_back(request_id, req.block_ids)
         return True
 
@@ -261,10 +263,7 @@ class PrefillWorker:
                 self.counters.bad_capability += 1  # forged: the request stays held
             else:
                 # late (after lease expiry), duplicated or foreign: count, never crash
-                c = self.counters
-                c.num_unknown_notifs += 1
-                c.unknown_notifs.append(rid[:64])
-                del c.unknown_notifs[:-MAX_UNKNOWN_NOTIFS]
+                self.counters.unknown(rid)
 
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -314,7 +313,7 @@ class PrefillWorker:
             return self.stats()
         raise InvalidRequest(f"prefill worker does not handle {type(msg).__name__}")
 
-    def _authorized(self, request_id: str, capability: bytes) -> _Request:
+    def _authorized(self, request_id: str, capability: bytes) -> SavedRequest:
         """The held request, if ``capability`` is the one issued for it."""
         req = self._requests.get(request_id)
         if req is None or not req.held:
@@ -387,6 +386,7 @@ class PrefillWorker:
         self._closed = True
         for rid in list(self._requests):
             self._free(rid)
+        self._saves.close()
         self.server.close()
         self.transport.close()
 
