@@ -1,5 +1,6 @@
 """`kvstage bench transfer --pipeline --quick`: runs against real NIXL children and writes
-one JSON row per size with every phase and ratio (numbers are not checked: timings)."""
+one JSON row per size with every phase and ratio, and one incremental-save row per size
+(numbers are not checked: timings)."""
 
 from __future__ import annotations
 
@@ -28,4 +29,8 @@ def test_bench_transfer_pipeline_quick(tmp_path: Path) -> None:
     assert [(r["mib"], r["chunks"]) for r in rows] == [(8, 2)]
     assert set(rows[0]) >= {"d2h_ms", "d2h_hash_ms", "read_ms", "h2d_ms", "seq_ms", "pipe_ms",
                             "seq_ratio", "pipe_ratio", "gbps", "gbps_checksum"}
+    saves = json.loads(out.read_text())["saves"]
+    assert [(r["mib"], r["chunks"]) for r in saves] == [(8, 4)]
+    assert set(saves[0]) >= {"compute_ms", "d2h_ms", "seq_ms", "ovl_ms", "hidden_pct", "max_pct"}
+    assert "incremental prefill saves" in proc.stdout
     assert (tmp_path / "pipeline.png").stat().st_size > 0

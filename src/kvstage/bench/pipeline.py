@@ -12,7 +12,8 @@ and iteration, in rotating order, one request each way:
 
 Reported per size (medians): d2h at prefill without and with hashing, READ, h2d,
 decode time sequential / pipelined / with checksums, the ratios to max(READ, h2d), and
-decode GB/s with and without checksums. ``--json`` and ``--plot`` write them.
+decode GB/s with and without checksums. Then, at prefill, the incremental-save overlap
+(`kvstage.bench.chunked`). ``--json`` (``results``, ``saves``) and ``--plot`` write them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from kvstage.bench import chunked
 from kvstage.bench.report import Column, machine_info, plot_lines, print_table, write_json
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
@@ -120,8 +122,13 @@ def run(args: argparse.Namespace) -> int:
         hashing.stop()
     print_table(rows, COLUMNS, markdown=args.markdown,
                 title="" if args.markdown else "decode time: sequential vs pipelined")
+    saves = chunked.measure(lay, blocks, iters=iters, warmup=warmup, device=args.device)
+    print_table(saves, chunked.COLUMNS, markdown=args.markdown,
+                title="" if args.markdown else "incremental prefill saves: d2h hidden "
+                "behind the next chunk's compute")
     if args.json:
-        write_json(args.json, config=vars(args), env=machine_info(args.device), results=rows)
+        write_json(args.json, config=vars(args), env=machine_info(args.device), results=rows,
+                   saves=saves)
     if args.plot:
         xs = [r["mib"] for r in rows]
         plot_lines(args.plot, {
@@ -131,7 +138,12 @@ def run(args: argparse.Namespace) -> int:
                 "pipelined + checksum": (xs, [r["check_ms"] for r in rows]),
                 "max(READ, h2d)": (xs, [r["max_ms"] for r in rows]),
             },
-        }, xlabel="request MiB", ylabel="ms (median)", title=f"{lay.name} decode pipeline")
+            "prefill time, 4 chunks (compute stand-in + d2h)": {
+                "sequential (save waits)": (xs, [r["seq_ms"] for r in saves]),
+                "overlapped (save(wait=False))": (xs, [r["ovl_ms"] for r in saves]),
+                "compute alone": (xs, [r["compute_ms"] for r in saves]),
+            },
+        }, xlabel="request MiB", ylabel="ms (median)", title=f"{lay.name} pipelining")
     return 0
 
 
