@@ -25,7 +25,9 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   would keep its first part's bytes only).
 - Handshake: the compatibility hash carries ``kvstage<N>:``; the decode side refuses a
   prefill peer whose hash lacks it, saying the peer does not run kvstage (a plain NIXL peer
-  would read or serve per-layer buffers), and the check is always enforced.
+  would read or serve per-layer buffers), and the check is always enforced. When vLLM's
+  handshake fails, the peer's hash is asked for again (`remote_compat_hash`, bounded) to
+  word the refusal: the decision is on that hash, not on vLLM's error text.
 - ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
   on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
   on the worker and the scheduler side: it is how the path is tested without a GPU.
@@ -47,9 +49,9 @@ new vLLM version; everything else is vLLM's own code):
 
 from __future__ import annotations
 
-import re
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp, KVConnectorRole
@@ -60,9 +62,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlConnectorWorker,
     NixlHandshakePayload,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.logger import init_logger
 
 from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+from kvstage.pd.side_channel import send_raw
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,9 +81,6 @@ logger = init_logger(f"vllm.{__name__}")
 KVSTAGE_PROTOCOL = 1
 HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
 FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
-
-_REMOTE_HASH = re.compile(r"Remote: ([^\s,]+?)\.?(?:\s|$)")
-
 
 def _force_host_buffer(vllm_config: VllmConfig) -> bool:
     cfg = vllm_config.kv_transfer_config
@@ -151,10 +152,10 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         try:
             return super()._nixl_handshake(host, port, *args, **kwargs)
         except RuntimeError as e:
-            if "compatibility hash mismatch" not in str(e):
-                raise
-            match = _REMOTE_HASH.search(str(e))
-            remote = match.group(1) if match else "?"
+            # Decided on the peer's hash, asked for again, never on vLLM's error text.
+            remote = remote_compat_hash(host, port)
+            if remote is None or remote == self.compat_hash:
+                raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
             if not remote.startswith("kvstage"):
                 raise RuntimeError(
                     f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
@@ -169,6 +170,21 @@ class KVStageConnectorWorker(NixlConnectorWorker):
                 f"configuration or version (local hash {self.compat_hash}, remote "
                 f"{remote}): {e}"
             ) from e
+
+
+def remote_compat_hash(host: str, port: int, *, timeout_s: float = 5.0) -> str | None:
+    """The compatibility hash a vLLM NIXL handshake listener at ``host:port`` sends (its
+    rank 0's payload, as vLLM's own handshake asks for it), or None if it does not
+    answer in ``timeout_s`` or answers with something else."""
+    query = msgspec.msgpack.encode((GET_META_MSG, 0, 0))
+    reply = send_raw(host, port, query, timeout_s=timeout_s)
+    if reply is None:
+        return None
+    try:
+        payload = msgspec.msgpack.decode(reply, type=NixlHandshakePayload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return str(payload.compatibility_hash)
 
 
 class KVStageConnectorScheduler(NixlConnectorScheduler):
