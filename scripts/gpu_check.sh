@@ -7,9 +7,10 @@
 #      groups 1 2 3 6, h2d and d2h), scattered ids with 32 KiB pages, the bandwidth
 #      regime (60 blocks) whose memcpy row (pinned host <-> device copy_) is the PCIe
 #      limit, op counts (Memcpy HtoD/DtoH as in the PR's table) and peak memory
-#   4. the decode pipeline on CUDA (copy stream + events): its gpu test runs in step 2;
-#      `kvstage bench transfer --pipeline --device cuda` (needs nixl-cu12, installed
-#      best effort) writes pipeline.json/png: sequential vs pipelined decode time
+#   4. the decode pipeline and the queued prefill saves on CUDA (copy streams + events):
+#      their gpu tests run in step 2; `kvstage bench transfer --pipeline --device cuda`
+#      (needs nixl-cu12, installed best effort) writes pipeline.json/png: sequential vs
+#      pipelined decode time, and the d2h hidden behind a matmul stand-in at prefill
 #   5. a short table of every timing, printed last
 # Every step runs under `timeout`; a failed step is recorded and the next still runs.
 #
