@@ -51,7 +51,6 @@ from kvstage.engine import CopyEngine
 from kvstage.errors import (
     InvalidRequest,
     KVStageError,
-    LayoutMismatch,
     PeerError,
     ProtocolMismatch,
     TransportFailure,
@@ -59,6 +58,7 @@ from kvstage.errors import (
 )
 from kvstage.pd import auth, integrity
 from kvstage.pd import messages as m
+from kvstage.pd.handshake import handshake
 from kvstage.pd.local_ids import LocalIds
 from kvstage.pd.pipeline import Loader, ReadJob, split_runs
 from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
@@ -137,44 +137,13 @@ class DecodeWorker:
         return SideChannelClient(host, port, timeout_s=self.handshake_timeout_s, key=self.key)
 
     def connect(self, host: str, port: int) -> Remote:
-        """Handshake once per remote: fetch its agent metadata and layout, check both."""
+        """Handshake once per remote (`kvstage.pd.handshake`), then reuse it."""
         key = (host, port)
         if key in self._remotes:
             return self._remotes[key]
-        meta = self.client(host, port).call(m.GetMeta(engine_id=self.engine_id))
-        if not isinstance(meta, m.Meta):
-            raise ProtocolMismatch(
-                f"{host}:{port} answered GetMeta with {type(meta).__name__}"
-            )
-        remote_layout = m.layout_from_msg(meta.layout)
-        try:
-            self.layout.check_compatible(remote_layout)
-        except ValueError as exc:
-            raise LayoutMismatch(str(exc)) from None
-        if meta.host_layout != self.host.host_layout.value:
-            raise LayoutMismatch(
-                f"incompatible host buffer: host_layout is {self.host.host_layout.value!r} "
-                f"here, {meta.host_layout!r} remote; start both sides with the same one"
-            )
-        if self.read_timeout_s >= meta.lease_s:
-            raise InvalidRequest(
-                f"read_timeout_s ({self.read_timeout_s}) must be below the prefill lease "
-                f"({meta.lease_s} s), else a READ could outlive the blocks it reads"
-            )
-        try:
-            peer = self.transport.add_peer(meta.agent_metadata)
-        except KVStageError:
-            raise
-        except Exception as exc:  # e.g. a loopback decode given a NIXL prefill's metadata
-            raise ProtocolMismatch(
-                f"cannot use the agent metadata of {host}:{port} with this decode's "
-                f"{type(self.transport).__name__}: {type(exc).__name__}; run both sides "
-                "with the same --transport"
-            ) from None
-        remote = Remote(
-            host, port, meta.engine_id, peer, remote_layout, self.host.host_layout,
-            meta.host_base, meta.lease_s,
-        )
+        remote = handshake(self.client(host, port), host, port, engine_id=self.engine_id,
+                           layout=self.layout, host_layout=self.host.host_layout,
+                           read_timeout_s=self.read_timeout_s, transport=self.transport)
         self._remotes[key] = remote
         return remote
 
