@@ -91,7 +91,6 @@ class Soak:
         self.pairs: list[Pair] = []
         self.records: list[Record] = []
         self.expiring: list[tuple[float, Pair, Record, m.PrefillDone]] = []
-        self.aborts: list[tuple[float, Pair, str]] = []
         # stalled transfers resume (late bytes land) at these times: a stalled prefill
         # that wakes up after decode gave up on it
         self.resumes: list[tuple[float, Pair]] = []
@@ -201,8 +200,11 @@ class Soak:
         if fault == "abort":
             self._abort(pair, rec.request_id, "soak: aborted right after the READ was posted")
         elif fault == "abort_stalled":
-            self.aborts.append((time.monotonic() + self.rng.uniform(0, 0.05), pair,
-                                rec.request_id))
+            # the READ is held stalled by the faulty transport; abort it a few ms in, with
+            # no poll in between: scheduled for a later service() it lost the race to its
+            # 0.25 s deadline once under load (ended read_timeout, RELIABILITY.md)
+            time.sleep(self.rng.uniform(0, 0.02))
+            self._abort(pair, rec.request_id, "soak: aborted a stalled READ mid-flight")
 
     def _prefill(self, pair: Pair, rec: Record) -> m.PrefillDone | None:
         msg = m.PrefillRequest(request_id=rec.request_id, num_tokens=rec.tokens, seed=rec.seed)
@@ -252,10 +254,6 @@ class Soak:
     # progress --------------------------------------------------------------------------
     def service(self, *, finish_all: bool = False) -> None:
         now = time.monotonic()
-        for when, pair, rid in list(self.aborts):
-            if when <= now:
-                self.aborts.remove((when, pair, rid))
-                self._abort(pair, rid, "soak: aborted a stalled READ mid-flight")
         for resume in list(self.resumes):
             pair = resume[1]
             # resuming lands every stalled transfer of the pair: wait until none of them
@@ -309,7 +307,7 @@ class Soak:
         """Finish everything in flight (bounded), then wait for the prefill leases."""
         end = min(deadline, time.monotonic() + 4 * max(p.lease_s for p in self.pairs) + 5)
         while time.monotonic() < end and (
-            self.expiring or self.aborts or self.resumes
+            self.expiring or self.resumes
             or any(p.in_flight or p.ready or p.decode.num_draining for p in self.pairs)
         ):
             self.service(finish_all=True)
