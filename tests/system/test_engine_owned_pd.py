@@ -82,7 +82,8 @@ def test_engine_owned_caches_and_ids_over_real_nixl() -> None:
         read_timeout_s=10.0,
     )
     assert all(c.owned is False for c in (prefill.cache, decode.cache))
-    with PrefillThread(prefill), decode:
+    with decode, prefill:  # closed even if a step before serving fails
+        # the worker is single-threaded: the engine saves and holds, then serves
         # a 700-token prompt in three chunked-prefill steps; sliding-window groups keep
         # their last 33 blocks, the full-attention group all 44
         counts = [33 if isinstance(g.spec, SlidingWindowSpec) else 44 for g in p_layout.groups]
@@ -94,20 +95,21 @@ def test_engine_owned_caches_and_ids_over_real_nixl() -> None:
                 prefill.save("req-1", step)
         done = prefill.hold("req-1")
         assert done.block_ids == ids
-        local = [d_alloc.allocate(len(g)) for g in ids]
-        res = decode.start("req-1", prefill.address, done.block_ids, local,
-                           capability=done.capability)
-        if res.status == "pending":
-            res = decode.wait("req-1", 20.0)
-        assert res.status == "done", res.reason
-        for t in range(p_layout.num_tensors):
-            for g_remote, g_local in zip(ids, local, strict=True):
-                for rb, lb in zip(g_remote, g_local, strict=True):
-                    assert torch.equal(d_tensors[t][lb].view(torch.int16),
-                                       p_tensors[t][rb].view(torch.int16)), (t, rb, lb)
-        # decode's notification frees the prefill engine's blocks through its callback
-        deadline = time.monotonic() + 5.0
-        while not p_alloc.freed and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert p_alloc.freed == [("req-1", ids)]
-        assert prefill.stats().held_requests == 0
+        with PrefillThread(prefill):
+            local = [d_alloc.allocate(len(g)) for g in ids]
+            res = decode.start("req-1", prefill.address, done.block_ids, local,
+                               capability=done.capability)
+            if res.status == "pending":
+                res = decode.wait("req-1", 20.0)
+            assert res.status == "done", res.reason
+            for t in range(p_layout.num_tensors):
+                for g_remote, g_local in zip(ids, local, strict=True):
+                    for rb, lb in zip(g_remote, g_local, strict=True):
+                        assert torch.equal(d_tensors[t][lb].view(torch.int16),
+                                           p_tensors[t][rb].view(torch.int16)), (t, rb, lb)
+            # decode's notification frees the prefill engine's blocks through its callback
+            deadline = time.monotonic() + 5.0
+            while not p_alloc.freed and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert p_alloc.freed == [("req-1", ids)]
+            assert prefill.stats().held_requests == 0

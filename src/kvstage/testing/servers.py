@@ -93,7 +93,9 @@ def make_decode(
 
 
 class PrefillThread:
-    """Serve ``worker`` from a daemon thread; `stop` joins it and closes the worker."""
+    """Serve ``worker`` from a daemon thread; `stop` joins it and closes the worker.
+    While it serves, the worker belongs to that thread (`PrefillWorker` is not
+    thread-safe): save and hold before starting it, or talk to it over the side channel."""
 
     def __init__(self, worker: PrefillWorker, *, poll_s: float = 0.002) -> None:
         self.worker = worker
