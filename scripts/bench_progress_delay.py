@@ -25,12 +25,6 @@ SETTINGS = {
 }
 
 
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ucx-tls", default=None, help="UCX_TLS for all (default: loopback's)")
@@ -42,6 +36,7 @@ def main() -> None:
         os.environ["UCX_TLS"] = args.ucx_tls
     from kvstage.pd import messages as m
     from kvstage.presets import preset
+    from kvstage.testing.cpu import idle_share
     from kvstage.testing.servers import PrefillProcess, make_decode
 
     lay = preset("llama-3.1-8b", num_blocks=96)
@@ -52,9 +47,7 @@ def main() -> None:
         time.sleep(1.0)
         idle = {}
         for k, pp in procs.items():
-            before, t0 = cpu_seconds(pp.pid), time.monotonic()
-            time.sleep(args.idle_s)
-            idle[k] = (cpu_seconds(pp.pid) - before) / (time.monotonic() - t0)
+            idle[k] = idle_share(pp.pid, args.idle_s)
         big = (args.mib << 20) // lay.block_bytes * lay.groups[0].spec.block_size
         small = lay.groups[0].spec.block_size
         gbps: dict[str, list[float]] = {k: [] for k in SETTINGS}

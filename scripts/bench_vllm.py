@@ -15,7 +15,8 @@ Three tables, markdown:
 3. Decode TTFT for the tiny model: real prefill + decode engines (127.0.0.1, NIXL/UCX) with
    each connector, both pairs up and taking turns; one request at a time, the decode's
    ``LLM.generate(max_tokens=1)`` wall time (the READ, the h2d and one forward), median and
-   quartiles of ``--ttft-repeats``.
+   quartiles of ``--ttft-repeats``; then each engine's CPU use while idle (its NIXL agent's
+   progress thread: vLLM's busy-polls a core, kvstage's connector gives it a delay).
 
     .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 25] [--no-engines]
 """
@@ -151,6 +152,7 @@ def bench_copies(repeats: int) -> list[str]:
 
 
 def bench_ttft(repeats: int) -> list[str]:
+    from kvstage.testing.cpu import idle_share
     from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
     from kvstage.testing.vllm_engines import (
         KVSTAGE_CONNECTOR,
@@ -200,12 +202,21 @@ def bench_ttft(repeats: int) -> list[str]:
                 right[label, n] &= out[0].token_ids == expected[n]
                 if i:
                     samples.append(decode.last_generate_s * 1e3)
+        # every engine idle now: one at a time, the CPU its process uses (its NIXL
+        # agent's progress thread included)
+        idle = {(label, role): idle_share(engine.pid, 3.0)
+                for label, pair in pairs.items()
+                for role, engine in zip(("prefill", "decode"), pair, strict=True)}
     rows = ["| connector | prompt tokens | decode TTFT median (p25-p75) | first token right? |",
             "|---|---|---|---|"]
     for (label, n), samples in times.items():
         q1, med, q3 = statistics.quantiles(samples, n=4)
         rows.append(f"| {label} | {n} | {med:.1f} ms ({q1:.1f}-{q3:.1f}) "
                     f"| {'yes' if right[label, n] else 'no'} |")
+    rows += ["", "Idle engine CPU over 3 s (/proc/PID/stat; 100 % = one core):", "",
+             "| connector | engine | idle CPU |", "|---|---|---:|"]
+    rows += [f"| {label} | {role} | {share * 100:.1f} % |"
+             for (label, role), share in idle.items()]
     return rows
 
 

@@ -10,17 +10,23 @@ one: while the wrapper runs, the ``nixlBind`` it reads sees a config subclass wh
 does (backends, bookkeeping) is unchanged, so a later NIXL that exposes the delay needs
 only this module changed. Measured cost and effect: BENCHMARKS.md "Idle CPU".
 
+`progress_delay` is the same as a context manager, for agents others create: kvstage's
+vLLM connector wraps vLLM's NIXL worker construction in it.
+
 No NIXL import here: the caller passes the imported ``_api`` module.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 __all__ = [
     "DEFAULT_PROGRESS_DELAY_US", "MAX_PROGRESS_DELAY_US", "check_progress_delay", "create_agent",
+    "progress_delay",
 ]
 
 # 1 ms: idle agent 2-3 % of a core instead of 100 %, READ bandwidth unchanged
@@ -71,6 +77,25 @@ def check_progress_delay(delay_us: object) -> int:
     return delay_us
 
 
+@contextlib.contextmanager
+def progress_delay(api: Any, delay_us: int) -> Iterator[None]:
+    """While inside, every ``api.nixl_agent`` created (by kvstage, or by vLLM's NIXL
+    connector) gets a progress thread waiting up to ``delay_us`` between polls. One
+    construction at a time: the wrapper's module global is swapped back on exit."""
+    check_progress_delay(delay_us)
+    if delay_us == 0:
+        yield
+        return
+    bindings = api.nixlBind
+    view = _BindingsView(bindings, _delayed_config(bindings.nixlAgentConfig, delay_us))
+    with _SWAP:
+        api.nixlBind = view
+        try:
+            yield
+        finally:
+            api.nixlBind = bindings
+
+
 def create_agent(api: Any, name: str, *, progress_thread: bool, delay_us: int) -> Any:
     """``api.nixl_agent(name)`` with no backend; its progress thread waits on UCX's event
     fd for up to ``delay_us`` (at least 1 ms in NIXL) between polls, so it wakes on
@@ -78,13 +103,5 @@ def create_agent(api: Any, name: str, *, progress_thread: bool, delay_us: int) -
     thread at all."""
     check_progress_delay(delay_us)
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
-    if not progress_thread or delay_us == 0:
+    with progress_delay(api, delay_us if progress_thread else 0):
         return api.nixl_agent(name, config)
-    bindings = api.nixlBind
-    view = _BindingsView(bindings, _delayed_config(bindings.nixlAgentConfig, delay_us))
-    with _SWAP:
-        api.nixlBind = view
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            api.nixlBind = bindings

