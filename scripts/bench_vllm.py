@@ -15,10 +15,13 @@ Three tables, markdown:
 3. Decode TTFT for the tiny model: real prefill + decode engines (127.0.0.1, NIXL/UCX) with
    each connector, both pairs up and taking turns; one request at a time, the decode's
    ``LLM.generate(max_tokens=1)`` wall time (the READ, the h2d and one forward), median and
-   quartiles of ``--ttft-repeats``; then each engine's CPU use while idle (its NIXL agent's
-   progress thread: vLLM's busy-polls a core, kvstage's connector gives it a delay).
+   quartiles of ``--ttft-repeats``, and in how many rounds the first token was the single
+   engine's (each other round is printed on stderr); then each engine's CPU use while
+   idle (its NIXL agent's progress thread: vLLM's busy-polls a core, kvstage's connector
+   gives it a delay).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 25] [--no-engines]
+    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 25] \
+        [--no-engines] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import contextlib
 import math
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -151,7 +155,7 @@ def bench_copies(repeats: int) -> list[str]:
     return rows
 
 
-def bench_ttft(repeats: int) -> list[str]:
+def bench_ttft(repeats: int, logs: str | None) -> list[str]:
     from kvstage.testing.cpu import idle_share
     from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
     from kvstage.testing.vllm_engines import (
@@ -183,7 +187,8 @@ def bench_ttft(repeats: int) -> list[str]:
         for label, connector in connectors.items():
             engines = tuple(
                 stack.enter_context(VLLMEngine(EngineSpec(
-                    model=str(model), log_path=f"{tmp}/{label[:5]}-{role}.log", cpu_core=core,
+                    model=str(model), log_path=f"{logs or tmp}/{label[:5]}-{role}.log",
+                    cpu_core=core,
                     env=side_channel_env(next(ports)),
                     kv_transfer_config=kv_transfer_config(connector, role),
                 ))).start()
@@ -191,7 +196,7 @@ def bench_ttft(repeats: int) -> list[str]:
             )
             pairs[label] = (engines[0], engines[1])
         times: dict[tuple[str, int], list[float]] = {k: [] for k in product(pairs, lengths)}
-        right = dict.fromkeys(times, True)
+        right = dict.fromkeys(times, 0)
         for i in range(repeats + 1):  # round 0 pays the handshakes: not timed
             for (label, n), samples in times.items():
                 prefill, decode = pairs[label]
@@ -199,7 +204,12 @@ def bench_ttft(repeats: int) -> list[str]:
                                          kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS)])
                 out = decode.generate([prompts[n]], max_tokens=1,
                                       kv_transfer_params=[first[0].kv_transfer_params])
-                right[label, n] &= out[0].token_ids == expected[n]
+                if out[0].token_ids == expected[n]:
+                    right[label, n] += 1
+                else:  # which round, for the logs (kept with --logs)
+                    print(f"round {i}: {label}, {n} tokens: first token {out[0].token_ids} "
+                          f"({out[0].finish_reason}), single engine {expected[n]}",
+                          file=sys.stderr, flush=True)
                 if i:
                     samples.append(decode.last_generate_s * 1e3)
         # every engine idle now: one at a time, the CPU its process uses (its NIXL
@@ -207,12 +217,12 @@ def bench_ttft(repeats: int) -> list[str]:
         idle = {(label, role): idle_share(engine.pid, 3.0)
                 for label, pair in pairs.items()
                 for role, engine in zip(("prefill", "decode"), pair, strict=True)}
-    rows = ["| connector | prompt tokens | decode TTFT median (p25-p75) | first token right? |",
-            "|---|---|---|---|"]
+    rows = ["| connector | prompt tokens | decode TTFT median (p25-p75) | rounds with the "
+            "single engine's first token |", "|---|---|---|---|"]
     for (label, n), samples in times.items():
         q1, med, q3 = statistics.quantiles(samples, n=4)
         rows.append(f"| {label} | {n} | {med:.1f} ms ({q1:.1f}-{q3:.1f}) "
-                    f"| {'yes' if right[label, n] else 'no'} |")
+                    f"| {right[label, n]}/{repeats + 1} |")
     rows += ["", "Idle engine CPU over 3 s (/proc/PID/stat; 100 % = one core):", "",
              "| connector | engine | idle CPU |", "|---|---|---:|"]
     rows += [f"| {label} | {role} | {share * 100:.1f} % |"
@@ -225,6 +235,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--ttft-repeats", type=int, default=25)
     parser.add_argument("--no-engines", action="store_true", help="skip the TTFT table")
+    parser.add_argument("--logs", default=None, metavar="DIR",
+                        help="keep the engines' logs here (default: a temporary folder)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print("### Host-buffer bytes\n", *bench_bytes(), sep="\n")
@@ -232,7 +244,7 @@ def main() -> None:
           *bench_copies(args.repeats), sep="\n")
     if not args.no_engines:
         print("\n### Decode TTFT, tiny model, P/D on 127.0.0.1\n",
-              *bench_ttft(args.ttft_repeats), sep="\n")
+              *bench_ttft(args.ttft_repeats, args.logs), sep="\n")
 
 
 if __name__ == "__main__":
