@@ -1,4 +1,4 @@
-"""Late bytes of a timed-out READ (real NIXL, UCX tcp, prefill SIGSTOPped mid-READ).
+"""Late bytes of a timed-out READ (real NIXL, UCX tcp, prefill SIGSTOPped at the post).
 
 UCX over tcp keeps the GET of a stalled peer alive: when the peer resumes, the rest of
 its bytes are written into decode's host rows even after NIXL released the handle (and
@@ -6,7 +6,12 @@ even after ``remove_remote_agent``). The guarantee under test: those rows (= dec
 local block ids, block-major host buffer) are handed to no other request until the
 transfer is over, so a later request from a healthy prefill stays byte-exact.
 
-Children are SIGCONTed and stopped in ``finally``; every wait is bounded.
+The prefill is stopped right before the READ is posted (after its Acquire was answered)
+and the post waits until the kernel shows it stopped: no byte can arrive before the
+deadline, every byte arrives late. (Stopping it a few ms after the post raced the
+transfer: with idle-sleeping progress threads a 60 MiB tcp READ sometimes finished first,
+one fresh-clone CI failure.) Children are SIGCONTed and stopped in ``finally``; every
+wait is bounded.
 """
 
 from __future__ import annotations
@@ -83,6 +88,17 @@ def settle(decode: DecodeWorker, seconds: float, until_drained: float = 0.0) -> 
         time.sleep(0.01)
 
 
+def wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Until /proc says ``pid`` is stopped (state T), bounded."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} not stopped {timeout_s} s after SIGSTOP")
+
+
 def reloaded_ok(decode: DecodeWorker, res: RequestResult, seed: int) -> list[str]:
     """h2d the request's host rows again and compare with the pattern: what its KV would
     be had the late bytes landed before the load."""
@@ -111,13 +127,12 @@ def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
         r1_done = prefill(a, "r1", K, seed=5)
         original = decode.transport.read
 
-        def read_then_stop(*args: Any) -> int:
-            handle = original(*args)
-            time.sleep(0.005)
-            os.kill(stalled.pid, signal.SIGSTOP)  # mid-READ: most bytes not sent yet
-            return handle
+        def stop_then_read(*args: Any) -> int:
+            os.kill(stalled.pid, signal.SIGSTOP)
+            wait_stopped(stalled.pid)
+            return original(*args)
 
-        decode.transport.read = read_then_stop  # type: ignore[method-assign]
+        decode.transport.read = stop_then_read  # type: ignore[method-assign]
         r1 = decode.start("r1", a, r1_done.block_ids, capability=r1_done.capability)
         del decode.transport.read
         r1 = run(decode, r1)
