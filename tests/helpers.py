@@ -131,11 +131,20 @@ def stats_of(addr: tuple[str, int], *, key: bytes | None = None) -> m.Stats:
 
 
 def prefill_request(addr: tuple[str, int], rid: str, tokens: int = 100, seed: int = 1, *,
-                    key: bytes | None = None) -> m.PrefillDone:
+                    key: bytes | None = None, timeout_s: float = 10.0) -> m.PrefillDone:
     """Ask a pattern-producing prefill to 'run' a prompt; its PrefillDone."""
-    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed), key=key)
+    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=tokens, seed=seed), key=key,
+                timeout_s=timeout_s)
     assert isinstance(done, m.PrefillDone)
     return done
+
+
+def start_request(decode: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int,
+                  seed: int, local: Sequence[Sequence[int]] | None = None, *,
+                  timeout_s: float = 10.0) -> RequestResult:
+    """A pattern prefill 'runs' the prompt, then ``decode`` starts reading it."""
+    done = prefill_request(addr, rid, tokens, seed, timeout_s=timeout_s)
+    return decode.start(rid, addr, done.block_ids, local, capability=done.capability)
 
 
 def finish_read(decode: DecodeWorker, res: RequestResult,

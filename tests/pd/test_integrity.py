@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from kvstage.pd import integrity
-from kvstage.pd import messages as m
 from kvstage.pd.decode import CHECKSUM_MISMATCH, CHECKSUM_MISSING, DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
+from tests.helpers import prefill_request
 
 pytest.importorskip("xxhash")
 
@@ -36,14 +36,6 @@ def pair(prefill_checks: bool = True, decode_checks: bool = True,
         yield prefill, decode
 
 
-def prefill_request(decode: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int,
-                    seed: int) -> m.PrefillDone:
-    done = decode.client(*addr).call(m.PrefillRequest(request_id=rid, num_tokens=tokens,
-                                                      seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return done
-
-
 def held(prefill: PrefillWorker, timeout_s: float = 5.0) -> int:
     deadline = time.monotonic() + timeout_s
     while prefill.num_held and time.monotonic() < deadline:
@@ -53,7 +45,7 @@ def held(prefill: PrefillWorker, timeout_s: float = 5.0) -> int:
 
 def test_checksums_travel_and_a_clean_read_passes() -> None:
     with pair() as (prefill, decode):
-        done = prefill_request(decode, prefill.address, "r", 700, 3)
+        done = prefill_request(prefill.address, "r", 700, 3)
         assert [len(c) for c in done.checksums] == [len(g) for g in done.block_ids]
         want = [integrity.block_digests(prefill.host, g) for g in done.block_ids]
         assert done.checksums == want
@@ -63,7 +55,7 @@ def test_checksums_travel_and_a_clean_read_passes() -> None:
         assert verify_request(decode.cache, res.local_block_ids, 3) == []
         decode.finish("r")
         # a prefix decode already holds: only the suffix is read, and checked
-        done = prefill_request(decode, prefill.address, "trim", 700, 4)
+        done = prefill_request(prefill.address, "trim", 700, 4)
         local = [decode.pool.allocate(len(g) // 2) for g in done.block_ids]
         res = decode.start("trim", prefill.address, done.block_ids, local,
                            capability=done.capability)
@@ -78,7 +70,7 @@ def test_checksums_travel_and_a_clean_read_passes() -> None:
 
 def test_a_corrupted_read_fails_and_nothing_reaches_the_device() -> None:
     with pair() as (prefill, decode):
-        done = prefill_request(decode, prefill.address, "bad", 500, 5)
+        done = prefill_request(prefill.address, "bad", 500, 5)
         original = decode.transport.read
 
         def read_and_flip(peer: str, local: np.ndarray, remote: np.ndarray,
@@ -104,7 +96,7 @@ def test_a_corrupted_read_fails_and_nothing_reaches_the_device() -> None:
         assert decode.num_draining == 0 and decode.transport.num_open_handles == 0
         assert held(prefill) == 0  # the completion notification freed it at prefill
         # the next request is fine
-        done = prefill_request(decode, prefill.address, "good", 500, 6)
+        done = prefill_request(prefill.address, "good", 500, 6)
         decode.start("good", prefill.address, done.block_ids, capability=done.capability)
         res = decode.wait("good", 10.0)
         assert res.ok and verify_request(decode.cache, res.local_block_ids, 6) == []
@@ -112,7 +104,7 @@ def test_a_corrupted_read_fails_and_nothing_reaches_the_device() -> None:
 
 def test_decode_checks_but_prefill_sends_no_checksums() -> None:
     with pair(prefill_checks=False) as (prefill, decode):
-        done = prefill_request(decode, prefill.address, "r", 300, 7)
+        done = prefill_request(prefill.address, "r", 300, 7)
         assert done.checksums == []
         free_before = decode.pool.num_free
         res = decode.start("r", prefill.address, done.block_ids, capability=done.capability)
@@ -125,7 +117,7 @@ def test_decode_checks_but_prefill_sends_no_checksums() -> None:
 
 def test_checksums_off_by_default() -> None:
     with pair(prefill_checks=False, decode_checks=False) as (prefill, decode):
-        done = prefill_request(decode, prefill.address, "r", 300, 8)
+        done = prefill_request(prefill.address, "r", 300, 8)
         assert done.checksums == []
         decode.start("r", prefill.address, done.block_ids, capability=done.capability)
         assert decode.wait("r", 10.0).ok

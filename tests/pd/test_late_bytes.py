@@ -10,29 +10,15 @@ import pytest
 
 from kvstage.blocks import GroupedBlockIds
 from kvstage.errors import InvalidRequest, PoolExhausted
-from kvstage.pd import messages as m
-from kvstage.pd.decode import ABORTED, READ_TIMEOUT, DecodeWorker
+from kvstage.pd.decode import ABORTED, READ_TIMEOUT
 from kvstage.pd.pipeline import WINDOW
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
+from tests.helpers import start_request
 
 LAYOUT = preset("llama-3.1-8b", num_blocks=64, block_size=16)  # one group
 K = 8
-
-
-def prefill_request(decode: DecodeWorker, addr: tuple[str, int], rid: str,
-                    seed: int) -> m.PrefillDone:
-    done = decode.client(*addr).call(m.PrefillRequest(request_id=rid, num_tokens=K * 16,
-                                                      seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return done
-
-
-def start(decode: DecodeWorker, addr: tuple[str, int], rid: str, seed: int,
-          local: Any = None) -> Any:
-    done = prefill_request(decode, addr, rid, seed)
-    return decode.start(rid, addr, done.block_ids, local, capability=done.capability)
 
 
 @pytest.mark.parametrize("how", ["timeout", "abort"])
@@ -45,7 +31,7 @@ def test_a_stalled_read_keeps_its_blocks_until_it_is_over(how: str) -> None:
         assert decode.pool is not None
         filler = decode.pool.allocate(decode.pool.num_free - K)  # r1 takes the last K
         t.stall_reads = True
-        r1 = start(decode, addr, "r1", 1)
+        r1 = start_request(decode, addr, "r1", K * 16, 1)
         t.stall_reads = False
         assert r1.status == "pending", r1
         if how == "abort":
@@ -58,12 +44,12 @@ def test_a_stalled_read_keeps_its_blocks_until_it_is_over(how: str) -> None:
         assert decode.num_draining == 1 and decode.pool.num_free == 0
         assert all(decode.in_flight(b) for b in ids)
         with pytest.raises(PoolExhausted):  # nothing else to hand out
-            start(decode, addr, "r2", 2)
+            start_request(decode, addr, "r2", K * 16, 2)
         decode.pool.free(filler[:K])
         with pytest.raises(InvalidRequest, match="in flight"):  # engine ids: refused too
-            start(decode, addr, "r3", 3, local=[ids])
-        r4 = decode.wait("r4", 5.0) if start(decode, addr, "r4", 4).status == "pending" \
-            else None
+            start_request(decode, addr, "r3", K * 16, 3, local=[ids])
+        r4 = start_request(decode, addr, "r4", K * 16, 4)
+        r4 = decode.wait("r4", 5.0) if r4.status == "pending" else None
         assert r4 is not None and r4.ok and not set(r4.local_block_ids[0]) & set(ids)
         # r1's late bytes land (every chunk posted: the window), in r1's rows only
         assert t.resume_reads() == min(WINDOW, r1.num_chunks)

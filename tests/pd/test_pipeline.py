@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvstage.pd import messages as m
 from kvstage.pd.decode import READ_FAILED, READ_TIMEOUT, DecodeWorker
 from kvstage.pd.pipeline import MIN_CHUNK_BYTES, split_runs
 from kvstage.pd.prefill import PrefillWorker
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
+from tests.helpers import start_request
 
 LAYOUT = preset("llama-3.1-8b", num_blocks=96, block_size=16)  # 2 MiB a block, one group
 MIB = 1 << 20
@@ -44,14 +44,6 @@ def pair(**decode_kw: Any) -> Iterator[tuple[PrefillWorker, DecodeWorker]]:
         yield prefill, decode
 
 
-def request(decode: DecodeWorker, addr: tuple[str, int], rid: str, blocks: int,
-            seed: int) -> Any:
-    done = decode.client(*addr).call(m.PrefillRequest(request_id=rid, num_tokens=blocks * 16,
-                                                      seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return decode.start(rid, addr, done.block_ids, capability=done.capability)
-
-
 def finish(decode: DecodeWorker, res: Any) -> Any:
     return decode.wait(res.request_id, 10.0) if res.status == "pending" else res
 
@@ -70,7 +62,7 @@ def assert_clean(decode: DecodeWorker) -> None:
 
 def test_pipelined_read_is_byte_exact_and_notifies_once() -> None:
     with pair() as (prefill, decode):
-        res = finish(decode, request(decode, prefill.address, "big", 24, 3))  # 48 MiB
+        res = finish(decode, start_request(decode, prefill.address, "big", 24 * 16, 3))  # 48 MiB
         assert res.ok, res.reason
         assert res.num_chunks == 4 and res.num_descriptors == 4
         assert verify_request(decode.cache, res.local_block_ids, 3) == []
@@ -96,7 +88,7 @@ def test_a_fault_in_a_middle_chunk_fails_the_request(fault: str) -> None:
                 setattr(t, fault, False)
 
         t.read = read
-        res = finish(decode, request(decode, prefill.address, "bad", 24, 4))
+        res = finish(decode, start_request(decode, prefill.address, "bad", 24 * 16, 4))
         del t.read
         assert res.status == "failed" and res.num_chunks == 4
         assert res.code == (READ_FAILED if fault == "fail_reads" else READ_TIMEOUT)
@@ -109,7 +101,7 @@ def test_a_fault_in_a_middle_chunk_fails_the_request(fault: str) -> None:
         assert_clean(decode)
         settle(prefill)  # the lease frees the failed request at prefill
         assert prefill.num_held == 0 and prefill.counters.completed == 0
-        res = finish(decode, request(decode, prefill.address, "next", 24, 5))
+        res = finish(decode, start_request(decode, prefill.address, "next", 24 * 16, 5))
         assert res.ok and res.num_chunks == 4
         assert verify_request(decode.cache, res.local_block_ids, 5) == []
 
@@ -120,7 +112,7 @@ def test_pipelined_read_on_cuda_uses_the_copy_stream_and_is_byte_exact() -> None
 
     with pair(device="cuda") as (prefill, decode):
         assert decode.loader.cuda
-        res = finish(decode, request(decode, prefill.address, "gpu", 24, 6))
+        res = finish(decode, start_request(decode, prefill.address, "gpu", 24 * 16, 6))
         assert res.ok and res.num_chunks == 4, res.reason
         torch.cuda.synchronize()
         assert verify_request(decode.cache, res.local_block_ids, 6) == []

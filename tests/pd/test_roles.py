@@ -32,7 +32,7 @@ from kvstage.presets import preset, synthetic_layout
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
 from kvstage.transport import LoopbackTransport
-from tests.helpers import pool_state, raw_bytes, wait_for
+from tests.helpers import pool_state, prefill_request, raw_bytes, wait_for
 from tests.pd.test_messages import GARBLED
 
 NUM_BLOCKS = 1024
@@ -60,12 +60,7 @@ def pair(
             decode.close()
 
 
-def remote_prefill(decode: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int,
-                   seed: int) -> m.PrefillDone:
-    done = decode.client(*addr).call(m.PrefillRequest(request_id=rid, num_tokens=tokens,
-                                                      seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return done
+
 
 
 def remote_stats(decode: DecodeWorker, addr: tuple[str, int]) -> m.Stats:
@@ -87,7 +82,7 @@ def count_runs(remote: Sequence[Sequence[int]], local: Sequence[Sequence[int]]) 
 
 def transfer(decode: DecodeWorker, addr: tuple[str, int], rid: str, tokens: int, seed: int,
              local: list[list[int]] | None = None):
-    done = remote_prefill(decode, addr, rid, tokens, seed)
+    done = prefill_request(addr, rid, tokens, seed)
     res = decode.start(rid, addr, done.block_ids, local, capability=done.capability)
     if res.status == "pending":
         res = decode.wait(rid, 10.0)
@@ -149,12 +144,12 @@ def test_descriptor_count_is_runs(host_layout: HostLayout, ids: str) -> None:
         addr = prefill.address
         if ids == "churned":
             # churn the prefill pool: its free queue now hands out ids in pieces
-            churn = [remote_prefill(decode, addr, f"c{i}", tokens, seed=i)
+            churn = [prefill_request(addr, f"c{i}", tokens, seed=i)
                      for i, tokens in enumerate([300, 700, 200, 900])]
             for i in (0, 2):
                 decode.client(*addr).call(m.Release(request_id=f"c{i}",
                                                     capability=churn[i].capability))
-        done = remote_prefill(decode, addr, "req", 4096, seed=3)
+        done = prefill_request(addr, "req", 4096, seed=3)
         local = _scattered_local(done) if ids == "scattered" else None
         for g in local or []:
             decode.pool.claim(g)  # the caller allocates the ids it passes
@@ -223,7 +218,7 @@ def test_host_layout_mismatch_is_refused() -> None:
 def test_released_before_read_fails_naming_it_and_cleans_up() -> None:
     with pair() as (prefill, decode):
         addr = prefill.address
-        done = remote_prefill(decode, addr, "gone", 512, seed=1)
+        done = prefill_request(addr, "gone", 512, seed=1)
         release = m.Release(request_id="gone", capability=done.capability)
         assert isinstance(decode.client(*addr).call(release), m.Ok)
         res = decode.start("gone", addr, done.block_ids, capability=done.capability)
@@ -240,7 +235,7 @@ def test_released_before_read_fails_naming_it_and_cleans_up() -> None:
 def test_lease_expiry_frees_prefill_blocks() -> None:
     with pair(lease_s=0.3) as (prefill, decode):
         addr = prefill.address
-        done = remote_prefill(decode, addr, "late", 1024, seed=1)
+        done = prefill_request(addr, "late", 1024, seed=1)
         held = sum(map(len, done.block_ids))
         assert remote_stats(decode, addr).held_blocks == held
         wait_for(lambda: remote_stats(decode, addr).expired == 1)

@@ -27,12 +27,11 @@ import pytest
 
 from kvstage.blocks import GroupedBlockIds
 from kvstage.errors import PoolExhausted
-from kvstage.pd import messages as m
 from kvstage.pd.decode import READ_TIMEOUT, DecodeWorker, RequestResult
-from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, make_decode
+from tests.helpers import finish_read, prefill_request, start_request
 
 pytestmark = pytest.mark.nixl
 
@@ -53,28 +52,6 @@ def children(n: int, **options: Any) -> Iterator[list[PrefillProcess]]:
             with contextlib.suppress(OSError):
                 os.kill(p.pid, signal.SIGCONT)
             p.stop()
-
-
-def prefill(addr: tuple[str, int], rid: str, blocks: int, seed: int) -> m.PrefillDone:
-    msg = m.PrefillRequest(request_id=rid, num_tokens=blocks * 16, seed=seed)
-    done = SideChannelClient(*addr, timeout_s=30.0).call(msg)
-    assert isinstance(done, m.PrefillDone), done
-    return done
-
-
-def start(decode: DecodeWorker, addr: tuple[str, int], rid: str, blocks: int,
-          seed: int) -> RequestResult:
-    done = prefill(addr, rid, blocks, seed)
-    return decode.start(rid, addr, done.block_ids, capability=done.capability)
-
-
-def run(decode: DecodeWorker, res: RequestResult, timeout_s: float = 30.0) -> RequestResult:
-    deadline = time.monotonic() + timeout_s
-    while res.status == "pending" and time.monotonic() < deadline:
-        decode.poll()
-        time.sleep(0.002)
-    assert res.status != "pending", f"{res.request_id} still pending after {timeout_s} s"
-    return res
 
 
 def settle(decode: DecodeWorker, seconds: float, until_drained: float = 0.0) -> None:
@@ -119,12 +96,13 @@ def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
     ) as decode:
         a, b = stalled.wait_ready(), healthy.wait_ready()
         for addr, rid in ((a, "warm-a"), (b, "warm-b")):  # endpoints up, pages touched
-            res = run(decode, start(decode, addr, rid, 2, 1))
+            res = finish_read(decode, start_request(decode, addr, rid, 2 * 16, 1, timeout_s=30.0),
+                              30.0)
             assert res.ok, res.reason
             decode.finish(rid)
         assert decode.pool is not None
         filler = decode.pool.allocate(decode.pool.num_free - K)  # r1 takes the last K
-        r1_done = prefill(a, "r1", K, seed=5)
+        r1_done = prefill_request(a, "r1", K * 16, seed=5, timeout_s=30.0)
         original = decode.transport.read
 
         def stop_then_read(*args: Any) -> int:
@@ -135,7 +113,7 @@ def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
         decode.transport.read = stop_then_read  # type: ignore[method-assign]
         r1 = decode.start("r1", a, r1_done.block_ids, capability=r1_done.capability)
         del decode.transport.read
-        r1 = run(decode, r1)
+        r1 = finish_read(decode, r1, 30.0)
         assert (r1.status, r1.code) == ("failed", READ_TIMEOUT), r1
         r1_ids = sorted(r1.local_block_ids[0])
         assert len(r1_ids) == K
@@ -143,11 +121,11 @@ def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
         # the next request, from the healthy prefill, needs K blocks
         r2: RequestResult | None
         try:
-            r2 = start(decode, b, "r2", K, seed=6)
+            r2 = start_request(decode, b, "r2", K * 16, seed=6, timeout_s=30.0)
         except PoolExhausted:
             r2 = None  # r1's blocks are still quarantined: nothing else to hand out
         if r2 is not None:
-            r2 = run(decode, r2)
+            r2 = finish_read(decode, r2, 30.0)
         os.kill(stalled.pid, signal.SIGCONT)  # the late bytes of r1 now arrive
         settle(decode, 3.0, until_drained=30.0)
         if r2 is not None:  # r2 got blocks: they must still hold r2's KV, byte for byte
@@ -158,7 +136,8 @@ def test_late_bytes_of_a_timed_out_read_never_reach_another_request(
         assert decode.num_draining == 0 and decode.transport.num_open_handles == 0
         assert not any(decode.in_flight(blk) for blk in r1_ids)
         assert decode.pool.num_free == K
-        r3 = run(decode, start(decode, b, "r3", K, seed=7))
+        r3 = finish_read(decode, start_request(decode, b, "r3", K * 16, seed=7, timeout_s=30.0),
+                        30.0)
         assert r3.ok, r3.reason
         assert sorted(r3.local_block_ids[0]) == r1_ids  # the very rows r1 was reading
         settle(decode, 1.0)

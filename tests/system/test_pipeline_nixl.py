@@ -5,18 +5,16 @@ Prefill in a child process (stopped in ``finally``); every wait bounded."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import numpy as np
 import pytest
 
 from kvstage.errors import TransportFailure
 from kvstage.pd import messages as m
-from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, make_decode
+from tests.helpers import finish_read, prefill_request, start_request, stats_of
 
 pytestmark = pytest.mark.nixl
 
@@ -24,32 +22,12 @@ LARGE = preset("llama-3.1-8b", num_blocks=80, block_size=16)  # 2 MiB a block
 LEASE_S = 10.0
 
 
-def call(addr: tuple[str, int], msg: m.Message) -> Any:
-    return SideChannelClient(*addr, timeout_s=30.0).call(msg)
-
-
-def start(decode: DecodeWorker, addr: tuple[str, int], rid: str, blocks: int,
-          seed: int) -> RequestResult:
-    done = call(addr, m.PrefillRequest(request_id=rid, num_tokens=blocks * 16, seed=seed))
-    assert isinstance(done, m.PrefillDone)
-    return decode.start(rid, addr, done.block_ids, capability=done.capability)
-
-
-def finish(decode: DecodeWorker, res: RequestResult, timeout_s: float = 30.0) -> RequestResult:
-    deadline = time.monotonic() + timeout_s
-    while res.status == "pending" and time.monotonic() < deadline:
-        decode.poll()
-        time.sleep(0.0005)
-    assert res.status != "pending"
-    return res
-
-
 def stats_when_free(addr: tuple[str, int], timeout_s: float = LEASE_S + 10) -> m.Stats:
     deadline = time.monotonic() + timeout_s
-    s = call(addr, m.GetStats())
+    s = stats_of(addr)
     while s.held_requests and time.monotonic() < deadline:
         time.sleep(0.05)
-        s = call(addr, m.GetStats())
+        s = stats_of(addr)
     assert s.held_requests == 0 and s.free_blocks == LARGE.num_blocks - 1, s
     return s
 
@@ -60,7 +38,8 @@ def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
         LARGE, transport="nixl", read_timeout_s=8.0, handshake_timeout_s=20.0, pipeline=True
     ) as decode:
         addr = child.wait_ready()
-        res = finish(decode, start(decode, addr, "big", 32, 3))  # 64 MiB: 4 chunks
+        res = finish_read(decode, start_request(decode, addr, "big", 32 * 16, 3,
+                                                timeout_s=30.0), 30.0)  # 64 MiB: 4 chunks
         assert res.ok, res.reason
         assert (res.num_chunks, res.num_descriptors) == (4, 4)
         assert verify_request(decode.cache, res.local_block_ids, 3) == []
@@ -79,7 +58,8 @@ def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
             return original(peer, local, remote, notif)
 
         decode.transport.read = read  # type: ignore[method-assign]
-        res = finish(decode, start(decode, addr, "bad", 32, 4))
+        res = finish_read(decode, start_request(decode, addr, "bad", 32 * 16, 4,
+                                                timeout_s=30.0), 30.0)
         del decode.transport.read
         assert res.status == "failed" and res.code == TransportFailure.code, res
         assert "NIXL_ERR_NOT_FOUND" in res.reason
@@ -93,7 +73,8 @@ def test_pipelined_decode_over_nixl_with_a_fault_in_a_middle_chunk() -> None:
         s = stats_when_free(addr)  # no notification for a failed request: the lease frees it
         assert (s.completed, s.expired) == (1, 1)
 
-        res = finish(decode, start(decode, addr, "next", 32, 5))
+        res = finish_read(decode, start_request(decode, addr, "next", 32 * 16, 5,
+                                                timeout_s=30.0), 30.0)
         assert res.ok and res.num_chunks == 4, res.reason
         assert verify_request(decode.cache, res.local_block_ids, 5) == []
         decode.finish("next")
@@ -115,14 +96,13 @@ def test_prepared_descriptor_lists_are_byte_exact() -> None:
         for i, (pipeline, scattered) in enumerate([(False, False), (True, False),
                                                    (False, True), (True, True)]):
             decode.pipeline = pipeline
-            done = call(addr, m.PrefillRequest(request_id=f"p{i}", num_tokens=20 * 16,
-                                               seed=30 + i))
+            done = prefill_request(addr, f"p{i}", 20 * 16, 30 + i, timeout_s=30.0)
             local, taken = None, []
             if scattered:  # every pair its own run: 20 indices, no two adjacent
                 taken = decode.pool.allocate(40)
                 local = [taken[::-2]]
-            res = finish(decode, decode.start(f"p{i}", addr, done.block_ids, local,
-                                              capability=done.capability))
+            res = finish_read(decode, decode.start(f"p{i}", addr, done.block_ids, local,
+                                                   capability=done.capability), 30.0)
             assert res.ok, res.reason
             assert verify_request(decode.cache, res.local_block_ids, 30 + i) == []
             if local is None:
