@@ -79,15 +79,17 @@ class _Compute:
         self.reps = max(1, round(target_s / (secs / 16)))
 
 
+def _timed(fn: Callable[[], Any], cuda: bool) -> float:
+    """Seconds ``fn`` takes, its device work included."""
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def _median(fn: Callable[[], Any], cuda: bool, n: int) -> float:
-    times = []
-    for _ in range(n):
-        start = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_timed(fn, cuda) for _ in range(n))
 
 
 def measure(layout: KVLayout, sizes_blocks: dict[int, int], *, iters: int, warmup: int,
@@ -145,7 +147,7 @@ def _size(prefill: PrefillWorker, compute: _Compute, mib: int, ids: list[list[in
     for it in range(warmup + iters):
         for j in range(len(MODES)):
             mode = MODES[(it + j) % len(MODES)]
-            secs = _median(runs[mode], cuda, 1)
+            secs = _timed(runs[mode], cuda)
             if it >= warmup:
                 got[mode].append(secs * 1e3)
     med = {k: statistics.median(v) for k, v in got.items()}

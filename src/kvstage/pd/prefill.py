@@ -54,8 +54,9 @@ from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
 from kvstage.transport.base import Transport
 
 DEFAULT_LEASE_S = 30.0
-#: serve_once's longest wait while requests are held: with the NIXL progress thread off
-#: (``progress_thread=False``), the notification poll after it progresses UCX over tcp
+#: serve_once's longest wait while requests are held on a transport whose bytes move only
+#: inside our calls (``progress_by_caller``: NIXL without its progress thread): the
+#: notification poll after it progresses UCX over tcp
 ACTIVE_POLL_S = 0.0005
 
 #: Writes a prompt's KV into blocks it allocates: (request_id, num_tokens, seed) -> ids
@@ -152,33 +153,35 @@ class PrefillWorker:
         plan = self.engine.plan(ids)
         if req is None:
             req = self._requests[request_id] = SavedRequest([[] for _ in block_ids])
-        flat = [b for g in ids.groups for b in g if b]
+        # per-block digests (verify_checksum) of the bytes decode will read
+        flat = [b for g in ids.groups for b in g if b] if self.verify_checksum else []
         if wait:
             self._settle(request_id, req)  # its queued saves first: the later bytes win
             start = time.perf_counter()
             stats = self.engine.run(plan, Direction.D2H)
-            if self.verify_checksum:  # after the copy (synchronised): the bytes decode reads
-                req.digests.update(zip(flat, integrity.block_digests(self.host, flat),
-                                       strict=True))
+            self._hash(req, flat)  # after the copy (synchronised)
             req.d2h_s += time.perf_counter() - start
         else:
             stats = self.engine.stats(plan, Direction.D2H)
             self._saves.submit(request_id, plan)
-            req.unhashed.update(flat)
+            req.unhashed.update(flat)  # hashed once the copies are over (_settle)
         for have, new in zip(req.block_ids, ids.groups, strict=True):
             seen = set(have)
             have.extend(b for b in new if b not in seen)
         req.nbytes += stats.nbytes
         return stats
 
+    def _hash(self, req: SavedRequest, block_ids: list[int]) -> None:
+        if block_ids:
+            req.digests.update(zip(block_ids, integrity.block_digests(self.host, block_ids),
+                                   strict=True))
+
     def _settle(self, request_id: str, req: SavedRequest) -> None:
         """Wait for the request's queued saves; hash what they wrote."""
         if not self._saves.pending(request_id):
             return
         req.d2h_s += self._saves.wait(request_id)
-        if self.verify_checksum and req.unhashed:
-            flat = sorted(req.unhashed)
-            req.digests.update(zip(flat, integrity.block_digests(self.host, flat), strict=True))
+        self._hash(req, sorted(req.unhashed))
         req.unhashed.clear()
 
     def hold(self, request_id: str, lease_s: float | None = None) -> m.PrefillDone:
@@ -347,7 +350,7 @@ class PrefillWorker:
         )
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
-        if self._requests:  # a READ may be served: without a progress thread our calls drive UCX
+        if self._requests and self.transport.progress_by_caller:  # our calls move the bytes
             timeout_s = min(timeout_s, ACTIVE_POLL_S)
         got = self.server.poll(timeout_s)
         if got is not None:

@@ -198,6 +198,9 @@ class Transport(Protocol):
     """Host-to-host READ transport between named agents. Not thread-safe: one owner."""
 
     name: str
+    #: True when bytes a peer READs from us move only inside our own calls (a NIXL agent
+    #: without its progress thread): the owner must call in often while it is read from
+    progress_by_caller: bool
 
     def register(self, addr: int, nbytes: int) -> MemoryRegion:
         """Register ``[addr, addr + nbytes)`` once at start-up (before ``metadata()``)."""

@@ -63,6 +63,7 @@ class LoopbackTransport(ClosingContext):
                 f"names are unique per process (close the old one or pick another name)"
             )
         self.name = name
+        self.progress_by_caller = False  # a READ copies inside the reader's call
         self.fail_reads = fail_reads
         self.drop_notifs = drop_notifs
         self.stall_reads = stall_reads

@@ -134,6 +134,7 @@ class NixlTransport(ClosingContext):
             ) from e
         self.name = name
         self.backend = backend
+        self.progress_by_caller = not progress_thread
         self._state = AgentState(agent)
         self._ids = itertools.count(1)
         self._finalizer = weakref.finalize(self, AgentState.close, self._state)

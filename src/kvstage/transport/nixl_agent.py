@@ -101,7 +101,6 @@ def create_agent(api: Any, name: str, *, progress_thread: bool, delay_us: int) -
     fd for up to ``delay_us`` (at least 1 ms in NIXL) between polls, so it wakes on
     traffic and sleeps when idle; 0 is NIXL's busy loop. ``progress_thread`` False: no
     thread at all."""
-    check_progress_delay(delay_us)
     config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
     with progress_delay(api, delay_us if progress_thread else 0):
         return api.nixl_agent(name, config)
