@@ -6,6 +6,9 @@ Contract:
   core and worker live in that one process, so killing it leaves nothing behind).
 - Requests go in as JSON lines on the child's stdin; results come back as JSON lines on a
   dedicated pipe (vLLM's own prints go to the log file, never into the protocol).
+- `held` steps the engine core a bounded number of times and reports the requests a
+  prefill still holds for remote decodes and the free block count: the exact observable
+  for "a notification freed (or did not free) a request's blocks".
 - Every wait is bounded: `start` and `generate` take a timeout and raise `EngineError`
   (with the log's tail) when it passes or when the child dies. `stop` kills the process
   group (SIGTERM, then SIGKILL after a grace period); `kill` is SIGKILL at once, for fault
@@ -56,6 +59,14 @@ class Completion:
     logprobs: list[dict[int, float]]
     kv_transfer_params: dict[str, Any] | None
     finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class HeldState:
+    """What a prefill engine holds for remote decodes (`VLLMEngine.held`)."""
+
+    request_ids: list[str]  # finished requests whose blocks wait for a decode's READ
+    free_blocks: int  # the block pool's free blocks (vLLM's BlockPool.get_num_free_blocks)
 
 
 class VLLMEngine:
@@ -144,6 +155,20 @@ class VLLMEngine:
             )
             for r in message["results"]
         ]
+
+    def held(self, *, steps: int = 20, interval_s: float = 0.05,
+             timeout: float = 60.0) -> HeldState:
+        """Step the engine ``steps`` times, ``interval_s`` apart (so NIXL notifications that
+        arrived are processed, as vLLM's busy loop would), then report what it still holds
+        for remote decodes: the ids of finished requests whose blocks are not freed yet,
+        and the block pool's free block count."""
+        assert self._proc is not None and self._proc.stdin is not None, "engine not started"
+        request = {"op": "held", "steps": steps, "interval_s": interval_s}
+        self._proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self._proc.stdin.flush()
+        message = self._read_message(timeout, expect="held")
+        return HeldState(request_ids=message["request_ids"],
+                         free_blocks=message["free_blocks"])
 
     def kill(self) -> None:
         """SIGKILL the whole process group now (a crash, for fault tests)."""
@@ -239,6 +264,9 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
     send({"kind": "ready"})
     for line in sys.stdin:
         request = json.loads(line)
+        if request.get("op") == "held":
+            send(_held(llm, request["steps"], request["interval_s"]))
+            continue
         try:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
             params = [
@@ -268,6 +296,18 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
                 "finish_reason": c.finish_reason,
             })
         send({"kind": "results", "results": results, "seconds": seconds})
+
+
+def _held(llm: Any, steps: int, interval_s: float) -> dict[str, Any]:
+    """Runs in the child: step the in-process engine core, report its held requests."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    for _ in range(steps):
+        if scheduler.has_requests():
+            llm.llm_engine.step()
+        time.sleep(interval_s)
+    held = sorted(rid for rid, r in scheduler.requests.items() if r.is_finished())
+    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    return {"kind": "held", "request_ids": held, "free_blocks": free}
 
 
 if __name__ == "__main__":

