@@ -34,6 +34,9 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
 - ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
   on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
   on the worker and the scheduler side: it is how the path is tested without a GPU.
+- Stats (`stats`): vLLM's NIXL KV connector stats plus each d2h/h2d copy's blocks, bytes,
+  seconds and failures (whatever is assigned to ``copy_blocks`` is metered), so the periodic
+  "KV Transfer metrics" log and ``/metrics`` (``vllm:kvstage_*``) show them.
 
 Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
 ``get_finished``); this module starts no thread.
@@ -41,11 +44,15 @@ Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
 vLLM versions supported: 0.32.0. The subclass surface, all of it (check these against a
 new vLLM version; everything else is vLLM's own code):
 - `KVStageConnector(NixlConnector)`: ``__init__`` (calls ``NixlBaseConnector.__init__`` and
-  builds the two classes below instead of NixlConnector's).
+  builds the two classes below instead of NixlConnector's), the classmethods
+  ``build_kv_connector_stats`` and ``build_prom_metrics``.
 - `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
   ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``; attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
-  ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``.
+  ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
+  ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property).
+- `stats`: ``NixlKVConnectorStats`` (``reset``, ``is_empty``, ``aggregate``, ``reduce``,
+  ``data``), ``NixlPromMetrics`` (``__init__``, ``observe``), ``create_metric_per_engine``.
 - `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``;
   attributes used: ``use_host_buffer``, ``_reqs_need_save``, ``get_exchange_clipped_blocks``.
 """
@@ -72,6 +79,11 @@ from vllm.distributed.nixl_utils import NixlWrapper
 from vllm.logger import init_logger
 
 from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.stats import (
+    KVStagePromMetrics,
+    KVStageStats,
+    metered_copy_blocks,
+)
 from kvstage.pd.side_channel import send_raw
 from kvstage.transport.nixl_agent import (
     DEFAULT_PROGRESS_DELAY_US,
@@ -125,6 +137,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
 
     compat_hash: str | None  # set by vLLM's register_kv_caches
     xfer_handshake_metadata: Any
+    # every copy op assigned (vLLM's None, kvstage's) is timed into the KV stats (stats.py)
+    copy_blocks = metered_copy_blocks()
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
@@ -133,6 +147,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
         with _sleeping_progress_thread(vllm_config):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
         if _force_host_buffer(vllm_config):
             self.use_host_buffer = True
         if self.kv_transfer_config.enable_permute_local_kv:
@@ -283,3 +298,17 @@ class KVStageConnector(NixlConnector):
             )
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:
+        return KVStageStats(data=data) if data is not None else KVStageStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVStagePromMetrics:
+        return KVStagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

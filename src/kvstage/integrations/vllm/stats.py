@@ -1,0 +1,233 @@
+"""kvstage's transfer figures in vLLM's KV connector stats: periodic log and ``/metrics``.
+
+Contract
+--------
+vLLM (0.32.0) carries a connector's figures from the worker to the front end as a plain
+dict (`KVConnectorStats.data`), logs them every stats interval ("KV Transfer metrics: ...")
+and records them in Prometheus through the connector class's ``build_prom_metrics``. The
+NIXL connector already records each READ (bytes, transfer and post time, descriptors, from
+NIXL's telemetry) and its failures; `KVStageConnector` inherits that. This module adds what
+only kvstage does, the copies between the device KV cache and the host buffers:
+
+- `KVStageStats(NixlKVConnectorStats)`: vLLM's NIXL lists plus, per copy call, its blocks,
+  bytes and seconds for ``d2h`` (prefill, into the host buffer) and ``h2d`` (decode, out of
+  it), and a list of failed copies. ``reduce`` (the log line) adds MB and ms for both
+  directions; ``is_empty`` is False when only copies happened (a prefill never READs, so
+  vLLM's own test would drop all of its figures).
+- `KVStagePromMetrics(NixlPromMetrics)`: vLLM's ``vllm:nixl_*`` metrics plus counters
+  ``vllm:kvstage_{d2h,h2d}_bytes_total`` and ``vllm:kvstage_{d2h,h2d}_blocks_total``,
+  histograms ``vllm:kvstage_{d2h,h2d}_time_seconds`` (``_sum`` is the total copy time,
+  ``_count`` the number of copies: one per request on vLLM's host path) and the counter
+  ``vllm:kvstage_copy_failures_total``.
+- `MeteredCopy`: wraps whatever callable is installed as the worker's ``copy_blocks``
+  (vLLM's ``CopyBlocksOp`` signature) and records each call into the worker's stats; it
+  re-raises a copy's error after counting it. `metered_copy_blocks()` is the property the
+  connector's worker class declares as ``copy_blocks``, so every assignment (vLLM's, or
+  kvstage's copy implementation of the day) is metered, none is special-cased.
+
+Bytes: a copy's bytes are its distinct destination block ids times the block bytes of the
+layout, the sum over the distinct KV views (storage, offset, dtype, shape, stride: aliased
+layer names counted once) of one block's bytes (blocks lie on dim 0 in vLLM 0.32.0's
+layouts). They are the bytes the request's blocks hold, whatever the copy implementation
+does to move them. Seconds are wall time around the call (vLLM's host path expects the copy
+complete on return, CUDA included).
+
+Threads: the copy and ``get_kv_connector_stats`` both run on the worker's step thread (vLLM
+calls them from ``execute_model``); nothing here locks or starts a thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
+    NixlKVConnectorStats,
+    NixlPromMetrics,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+DIRECTIONS = ("d2h", "h2d")
+#: the keys kvstage adds to vLLM's NIXL stats dict (lists, one entry per copy call)
+COPY_KEYS = tuple(
+    f"kvstage_{d}_{what}" for d in DIRECTIONS for what in ("blocks", "bytes", "seconds")
+) + ("kvstage_copy_failures",)
+
+
+def block_bytes(caches: Mapping[str, torch.Tensor]) -> int:
+    """Bytes of one block over the distinct views of ``caches`` (aliases counted once)."""
+    seen: dict[tuple[Any, ...], int] = {}
+    for t in caches.values():
+        key = (
+            t.untyped_storage().data_ptr(),
+            int(t.storage_offset()),
+            t.dtype,
+            tuple(t.shape),
+            tuple(t.stride()),
+        )
+        seen[key] = t[0].numel() * t.element_size()
+    return sum(seen.values())
+
+
+class KVStageStats(NixlKVConnectorStats):
+    """vLLM's NIXL stats plus kvstage's d2h/h2d copies (all lists: they aggregate by extend)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for key in COPY_KEYS:  # a dict from an older sender may lack them
+            self.data.setdefault(key, [])
+
+    def reset(self) -> None:
+        super().reset()
+        for key in COPY_KEYS:
+            self.data[key] = []
+
+    def record_copy(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.data[f"kvstage_{direction}_blocks"].append(blocks)
+        self.data[f"kvstage_{direction}_bytes"].append(nbytes)
+        self.data[f"kvstage_{direction}_seconds"].append(seconds)
+
+    def record_failed_copy(self) -> None:
+        self.data["kvstage_copy_failures"].append(1)
+
+    def is_empty(self) -> bool:
+        return super().is_empty() and not any(self.data[k] for k in COPY_KEYS)
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        if not other.is_empty():
+            for k, v in other.data.items():
+                self.data.setdefault(k, []).extend(v)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out = super().reduce()
+        for d in DIRECTIONS:
+            nbytes = sum(self.data[f"kvstage_{d}_bytes"])
+            out[f"kvstage {d} copies"] = len(self.data[f"kvstage_{d}_bytes"])
+            out[f"kvstage {d} MB"] = round(nbytes / 2**20, 3)
+            out[f"kvstage {d} time (ms)"] = round(sum(self.data[f"kvstage_{d}_seconds"]) * 1e3, 3)
+        out["kvstage copy failures"] = len(self.data["kvstage_copy_failures"])
+        return out
+
+
+class KVStagePromMetrics(NixlPromMetrics):
+    """vLLM's NIXL Prometheus metrics plus kvstage's copy counters and histograms."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # copies of a few blocks take tens of microseconds on CPU, a large prompt's
+        # hundreds of milliseconds through pinned memory
+        buckets = [1e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]
+
+        def per_engine(metric: Any) -> Any:
+            return create_metric_per_engine(metric, self.per_engine_labelvalues)
+
+        self.kvstage_bytes: dict[str, Any] = {}
+        self.kvstage_blocks: dict[str, Any] = {}
+        self.kvstage_time: dict[str, Any] = {}
+        for d, what in (("d2h", "device to host (prefill)"), ("h2d", "host to device (decode)")):
+            self.kvstage_bytes[d] = per_engine(self._counter_cls(
+                name=f"vllm:kvstage_{d}_bytes",
+                documentation=f"KV bytes kvstage copied {what}.",
+                labelnames=labelnames,
+            ))
+            self.kvstage_blocks[d] = per_engine(self._counter_cls(
+                name=f"vllm:kvstage_{d}_blocks",
+                documentation=f"KV blocks kvstage copied {what}.",
+                labelnames=labelnames,
+            ))
+            self.kvstage_time[d] = per_engine(self._histogram_cls(
+                name=f"vllm:kvstage_{d}_time_seconds",
+                documentation=f"Seconds per kvstage KV copy {what} (one per request).",
+                buckets=buckets,
+                labelnames=labelnames,
+            ))
+        self.kvstage_copy_failures = per_engine(self._counter_cls(
+            name="vllm:kvstage_copy_failures",
+            documentation="kvstage KV copies (d2h or h2d) that raised.",
+            labelnames=labelnames,
+        ))
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        super().observe(transfer_stats_data, engine_idx)
+        for d in DIRECTIONS:
+            for n in transfer_stats_data.get(f"kvstage_{d}_bytes", ()):
+                self.kvstage_bytes[d][engine_idx].inc(n)
+            for n in transfer_stats_data.get(f"kvstage_{d}_blocks", ()):
+                self.kvstage_blocks[d][engine_idx].inc(n)
+            for s in transfer_stats_data.get(f"kvstage_{d}_seconds", ()):
+                self.kvstage_time[d][engine_idx].observe(s)
+        for n in transfer_stats_data.get("kvstage_copy_failures", ()):
+            self.kvstage_copy_failures[engine_idx].inc(n)
+
+
+CopyOp = Callable[..., None]
+
+
+class MeteredCopy:
+    """A ``CopyBlocksOp`` that records blocks, bytes, seconds and failures of ``op``.
+
+    ``stats_of()`` returns the stats to record into at call time (the worker replaces its
+    stats object on every ``get_kv_connector_stats``).
+    """
+
+    def __init__(self, op: CopyOp, stats_of: Callable[[], KVStageStats | None]) -> None:
+        self.op = op
+        self._stats_of = stats_of
+        self._block_bytes: dict[int, int] = {}  # id(dst caches) -> block bytes
+
+    def __call__(
+        self,
+        src_caches: Mapping[str, torch.Tensor],
+        dst_caches: Mapping[str, torch.Tensor],
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        direction: str,
+    ) -> None:
+        start = time.perf_counter()
+        try:
+            self.op(src_caches, dst_caches, src_block_ids, dst_block_ids, direction)
+        except BaseException:
+            stats = self._stats_of()
+            if stats is not None:
+                stats.record_failed_copy()
+            raise
+        seconds = time.perf_counter() - start
+        stats = self._stats_of()
+        if stats is None or direction not in DIRECTIONS:
+            return
+        per_block = self._block_bytes.get(id(dst_caches))
+        if per_block is None:  # the caches live as long as the worker: compute once
+            per_block = self._block_bytes[id(dst_caches)] = block_bytes(dst_caches)
+        blocks = len(set(dst_block_ids))
+        stats.record_copy(direction, blocks, blocks * per_block, seconds)
+
+
+def metered_copy_blocks() -> property:
+    """The ``copy_blocks`` property of a NIXL worker class: what is assigned is wrapped in
+    a `MeteredCopy` recording into the worker's ``xfer_stats`` (when it is a
+    `KVStageStats`); reading returns the wrapper (or None)."""
+
+    def get(worker: Any) -> MeteredCopy | None:
+        return worker.__dict__.get("_kvstage_copy_blocks")
+
+    def set_(worker: Any, op: CopyOp | None) -> None:
+        if op is not None and not isinstance(op, MeteredCopy):
+            op = MeteredCopy(op, lambda: _kvstage_stats(worker))
+        worker.__dict__["_kvstage_copy_blocks"] = op
+
+    return property(get, set_, doc="the worker's copy op, metered into its KV stats")
+
+
+def _kvstage_stats(worker: Any) -> KVStageStats | None:
+    stats = getattr(worker, "xfer_stats", None)
+    return stats if isinstance(stats, KVStageStats) else None

