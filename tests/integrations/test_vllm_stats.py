@@ -2,8 +2,8 @@
 
 Real parts: vLLM 0.32.0's NIXL stats and Prometheus classes, prometheus_client (a registry
 of the test's own), kvstage's ``copy_op.copy_blocks`` (vLLM's CopyBlocksOp signature) on
-torch CPU tensors that alias like vLLM's hybrid KV cache. The engine-level path (api_server /metrics, the periodic log) is
-tests/system/vllm/test_vllm_stats.py.
+torch CPU tensors that alias like vLLM's hybrid KV cache. The engine-level path (api_server
+/metrics, the periodic log) is tests/system/vllm/test_vllm_stats.py.
 """
 
 from __future__ import annotations
