@@ -1,0 +1,305 @@
+"""A P/D deployment as vLLM users run it: N prefill + M decode api_servers and vllm-router.
+
+Contract:
+- `PDCluster` builds the command lines (`api_server_argv`, `router_argv`), starts every
+  api_server (``python -m vllm.entrypoints.openai.api_server``, the server `vllm serve`
+  runs) on 127.0.0.1 with its own HTTP port and NIXL side-channel port, waits for each
+  /health, then starts `vllm-router` in P/D mode in front. Exiting the context (or `stop`)
+  stops the router first, then every api_server, each by process group (`Instance.stop`).
+  A start that fails stops whatever it had started and raises `ServingError` with the log.
+- CPU (``device="cpu"``): cores of this process's affinity are split between instances
+  (`split_cores`; on 2 cores prefills share core 0, decodes core 1), each pinned with
+  ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; the connector's host path is forced
+  on (``kvstage_force_host_buffer``, ``kv_buffer_device: cpu``). CUDA (``device="cuda"``):
+  each api_server gets one GPU of ``CUDA_VISIBLE_DEVICES`` (distinct while they last), no
+  host buffer forced.
+- ``connector``: "kvstage" (KVStageConnector), "nixl" (vLLM's NixlConnector; on CPU its
+  host path via kvstage.testing.vllm_baseline, for comparisons only) or "none" (plain
+  engines; `single_instance` is the one-engine case).
+- No vLLM import: this module only spawns processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvstage.serving.instances import Instance, ServingError
+from kvstage.testing.vllm_engines import (
+    KVSTAGE_CONNECTOR,
+    VLLM_HOST_PATH_CONNECTOR,
+    free_ports,
+    kv_transfer_config,
+    side_channel_env,
+)
+
+CONNECTORS = ("kvstage", "nixl", "none")
+FAILURE_POLICIES = ("fail", "recompute")
+DEVICES = ("cpu", "cuda")
+API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """The api_server flags every instance of a deployment shares (None: vLLM's default)."""
+
+    dtype: str | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
+    block_size: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    enforce_eager: bool = False
+    enable_prefix_caching: bool | None = None
+    seed: int | None = None
+    extra: tuple[str, ...] = ()  # further api_server flags, verbatim
+
+    def argv(self) -> list[str]:
+        out: list[str] = []
+        for flag, value in (("--dtype", self.dtype), ("--max-model-len", self.max_model_len),
+                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--max-num-seqs", self.max_num_seqs),
+                            ("--block-size", self.block_size),
+                            ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
+                            ("--seed", self.seed)):
+            if value is not None:
+                out += [flag, str(value)]
+        if self.enforce_eager:
+            out.append("--enforce-eager")
+        if self.enable_prefix_caching is not None:
+            out.append("--enable-prefix-caching" if self.enable_prefix_caching
+                       else "--no-enable-prefix-caching")
+        return out + list(self.extra)
+
+
+#: the settings kvstage's CPU tests use for the tiny hybrid model (kvstage tiny-model)
+TINY_CPU_ENGINE_ARGS = EngineArgs(
+    dtype="float32", max_model_len=512, max_num_batched_tokens=120, max_num_seqs=16,
+    block_size=32, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
+    enable_prefix_caching=False, seed=0,
+)
+
+
+def connector_config(connector: str, role: str, *, device: str, policy: str,
+                     extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of one instance (None for ``connector="none"``)."""
+    if connector == "none":
+        return None
+    if device == "cpu":
+        cls = KVSTAGE_CONNECTOR if connector == "kvstage" else VLLM_HOST_PATH_CONNECTOR
+        cfg = kv_transfer_config(cls, role, **(extra or {}))
+    else:
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cuda"}
+        if connector == "kvstage":
+            cfg["kv_connector"], cfg["kv_connector_module_path"] = KVSTAGE_CONNECTOR
+        if extra:
+            cfg["kv_connector_extra_config"] = dict(extra)
+    cfg["kv_load_failure_policy"] = policy
+    return cfg
+
+
+def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[tuple[int, ...]]:
+    """Cores per instance, prefills first: a chunk each when there are enough cores, else
+    prefills share the first half and decodes the rest (all share one core if only one)."""
+    n = num_prefill + num_decode
+    if len(cores) >= n:
+        per = len(cores) // n
+        return [tuple(cores[i * per:(i + 1) * per]) for i in range(n)]
+    if len(cores) == 1:
+        return [tuple(cores)] * n
+    half = max(1, len(cores) * num_prefill // n)
+    return [tuple(cores[:half])] * num_prefill + [tuple(cores[half:])] * num_decode
+
+
+def default_device() -> str:
+    """"cuda" when an NVIDIA device node exists and CUDA_VISIBLE_DEVICES does not hide it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return "cpu"
+    return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
+
+
+def router_executable() -> str:
+    """vllm-router next to this Python (its venv), else on PATH."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("vllm-router")
+    if found is None:
+        raise ServingError("vllm-router not found next to this Python or on PATH; install it: "
+                           "pip install vllm-router==0.1.17")
+    return found
+
+
+def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir: Path,
+                        engine_args: EngineArgs, kv_config: dict[str, Any] | None,
+                        device: str, cores: tuple[int, ...] | None = None,
+                        gpu: str | None = None, side_channel_port: int | None = None,
+                        env: dict[str, str] | None = None) -> Instance:
+    """An api_server `Instance` (not started)."""
+    argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model,
+            "--host", "127.0.0.1", "--port", str(port), *engine_args.argv()]
+    if kv_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
+    child_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    if side_channel_port is not None:
+        child_env.update(side_channel_env(side_channel_port))
+    unset: tuple[str, ...] = ()
+    if device == "cpu":
+        if cores:
+            argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
+            child_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+            child_env["OMP_NUM_THREADS"] = str(len(cores))
+        child_env["UCX_NET_DEVICES"] = "lo"
+        if engine_args.kv_cache_memory_bytes is not None:
+            unset = ("VLLM_CPU_KVCACHE_SPACE",)  # it would override --kv-cache-memory-bytes
+    elif gpu is not None:
+        child_env["CUDA_VISIBLE_DEVICES"] = gpu
+    child_env.update(env or {})
+    return Instance(name=name, role=role, argv=argv, port=port, env=child_env,
+                    unset_env=unset, log_path=log_dir / f"{name}.log",
+                    side_channel_port=side_channel_port, cores=cores)
+
+
+def router_instance(prefills: list[Instance], decodes: list[Instance], *, port: int,
+                    metrics_port: int, log_dir: Path, policy: str = "round_robin",
+                    extra: tuple[str, ...] = ()) -> Instance:
+    """vllm-router in vLLM P/D mode (NIXL-style kv_transfer_params) in front of them."""
+    argv = [router_executable(), "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
+    for p in prefills:
+        argv += ["--prefill", p.url]
+    for d in decodes:
+        argv += ["--decode", d.url]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+             "--worker-startup-timeout-secs", "60", *extra]
+    return Instance(name="router", role="router", argv=argv, port=port,
+                    log_path=log_dir / "router.log")
+
+
+@dataclass(kw_only=True)
+class PDCluster:
+    """N prefill + M decode api_servers behind vllm-router; a context manager."""
+
+    model: str
+    num_prefill: int = 1
+    num_decode: int = 1
+    connector: str = "kvstage"
+    kv_load_failure_policy: str = "fail"
+    log_dir: str | Path | None = None
+    engine_args: EngineArgs = TINY_CPU_ENGINE_ARGS
+    extra_kv_config: dict[str, Any] | None = None
+    env: dict[str, str] | None = None  # on top of each api_server's own
+    device: str = field(default_factory=default_device)
+    router_port: int | None = None
+    router_policy: str = "round_robin"
+    router_args: tuple[str, ...] = ()
+    start_timeout: float = 300.0
+    prefills: list[Instance] = field(init=False, default_factory=list)
+    decodes: list[Instance] = field(init=False, default_factory=list)
+    router: Instance | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.connector not in CONNECTORS[:2]:
+            raise ValueError(f"connector must be one of {CONNECTORS[:2]} for P/D, "
+                             f"got {self.connector!r} (single_instance is the plain engine)")
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}, "
+                             f"got {self.kv_load_failure_policy!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError(f"need >= 1 prefill and >= 1 decode, got {self.num_prefill} "
+                             f"and {self.num_decode}")
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="kvstage-serve-")
+        log_dir = Path(self.log_dir)
+        n = self.num_prefill + self.num_decode
+        ports = free_ports(2 * n + 2)
+        http, side = ports[:n], ports[n:2 * n]
+        self._router_ports = (self.router_port or ports[2 * n], ports[2 * n + 1])
+        cores = split_cores(sorted(os.sched_getaffinity(0)), self.num_prefill, self.num_decode)
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        for i in range(n):
+            role = "prefill" if i < self.num_prefill else "decode"
+            index = i if role == "prefill" else i - self.num_prefill
+            kv = connector_config(self.connector,
+                                  "kv_producer" if role == "prefill" else "kv_consumer",
+                                  device=self.device, policy=self.kv_load_failure_policy,
+                                  extra=self.extra_kv_config)
+            inst = api_server_instance(
+                f"{role}{index}", role, self.model, port=http[i], log_dir=log_dir,
+                engine_args=self.engine_args, kv_config=kv, device=self.device,
+                cores=cores[i], gpu=gpus[i % len(gpus)] if gpus else None,
+                side_channel_port=side[i], env=self.env)
+            (self.prefills if role == "prefill" else self.decodes).append(inst)
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefills, *self.decodes]
+
+    @property
+    def router_url(self) -> str:
+        if self.router is None:
+            raise ServingError("the router is not started")
+        return self.router.url
+
+    def start(self) -> PDCluster:
+        try:
+            for inst in self.instances:  # spawn all, then wait: engines load in parallel
+                inst.spawn()
+            for inst in self.instances:
+                inst.wait_ready(self.start_timeout)
+            self.router = router_instance(
+                self.prefills, self.decodes, port=self._router_ports[0],
+                metrics_port=self._router_ports[1], log_dir=Path(str(self.log_dir)),
+                policy=self.router_policy, extra=self.router_args)
+            self.router.start(timeout=90.0)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Router first (no new work), then every api_server; each bounded."""
+        for inst in ([self.router] if self.router else []) + self.instances:
+            inst.stop()
+
+    def __enter__(self) -> PDCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class single_instance:  # noqa: N801 (used like a function: `with single_instance(...) as s`)
+    """One plain api_server (no connector), the reference the P/D output must equal."""
+
+    def __init__(self, model: str, *, log_dir: str | Path | None = None,
+                 engine_args: EngineArgs = TINY_CPU_ENGINE_ARGS, device: str | None = None,
+                 cores: tuple[int, ...] | None = None, port: int | None = None,
+                 env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
+        log = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(
+            prefix="kvstage-single-"))
+        dev = device or default_device()
+        self.start_timeout = start_timeout
+        self.instance = api_server_instance(
+            "single", "single", model, port=port or free_ports(1)[0], log_dir=log,
+            engine_args=engine_args, kv_config=None, device=dev,
+            cores=cores if cores is not None else (min(os.sched_getaffinity(0)),), env=env)
+
+    def __enter__(self) -> Instance:
+        try:
+            return self.instance.start(self.start_timeout)
+        except BaseException:
+            self.instance.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.instance.stop()
