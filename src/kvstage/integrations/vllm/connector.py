@@ -41,11 +41,14 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
 Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
 ``get_finished``); this module starts no thread.
 
-vLLM versions supported: 0.32.0. The subclass surface, all of it (check these against a
-new vLLM version; everything else is vLLM's own code):
+vLLM versions supported: 0.32.0 and 0.33.0 (sleep mode refused: ``supports_sleep_mode``
+False, ``unregister_kv_caches``/``restore_kv_caches`` raise). The subclass surface, all of
+it, is recorded per version in tests/integrations/test_vllm_surface.py (`surface.SURFACE`;
+scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own code):
 - `KVStageConnector(NixlConnector)`: ``__init__`` (calls ``NixlBaseConnector.__init__`` and
   builds the two classes below instead of NixlConnector's), the classmethods
-  ``build_kv_connector_stats`` and ``build_prom_metrics``.
+  ``build_kv_connector_stats``, ``build_prom_metrics`` and ``supports_sleep_mode``,
+  ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0).
 - `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
   ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``; attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
@@ -105,6 +108,13 @@ KVSTAGE_PROTOCOL = 1
 HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
 FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
 PROGRESS_DELAY_KEY = "kvstage_progress_delay_us"
+SLEEP_MODE_REFUSAL = (
+    "KVStageConnector does not support vLLM's sleep mode (--enable-sleep-mode; vLLM 0.33.0 "
+    "asks connectors through supports_sleep_mode): releasing and restoring kvstage's host "
+    "buffers, their NIXL registration and its copy op across a sleep is not implemented, "
+    "as it cannot be tested without a GPU (vLLM's sleep needs its CUDA memory pool). Start "
+    "the instance without --enable-sleep-mode"
+)
 
 def _force_host_buffer(vllm_config: VllmConfig) -> bool:
     cfg = vllm_config.kv_transfer_config
@@ -312,3 +322,15 @@ class KVStageConnector(NixlConnector):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVStagePromMetrics:
         return KVStagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # vLLM 0.33.0: sleep mode is refused (README "vLLM versions"); vLLM raises on False
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        logger.error(SLEEP_MODE_REFUSAL)
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
+
+    def restore_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
