@@ -5,7 +5,8 @@ Three tables, markdown:
    vs vLLM's ``initialize_host_xfer_buffer`` (one ``torch.empty`` per layer name), for the
    tiny test model and for gemma-3-1b's shapes (26 layers: 22 sliding-window + 4 full, 1 KV
    head, head_dim 256, bf16, block 16; vLLM groups them 7 x 4 over 4 tensors).
-2. d2h / h2d time per request: the connector's copy (`BlockCopier`, mirrored host buffers)
+2. d2h / h2d time per request: the connector's copy (`EngineCopyOp`: kvstage's CopyEngine over
+   mirrored host buffers)
    vs vLLM's ``copy_kv_blocks`` (per-layer host buffers; the CPU platform given the CUDA
    platform's bodies), same ids (the request's groups concatenated and clipped, as
    ``save_kv_to_host`` passes them), interleaved, ``torch.set_num_threads(1)``, medians.
@@ -37,10 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
+from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,21 @@ def vllm_device_caches(m: Model, num_blocks: int) -> dict[str, torch.Tensor]:
             caches[f"model.layers.{layer}.self_attn.attn"] = raw.view(m.dtype).view(shape)
             layer += 1
     return caches
+
+
+def connector_op(
+    m: Model, device: dict[str, torch.Tensor], host: dict[str, torch.Tensor]
+) -> EngineCopyOp:
+    """The connector's copy op, built as the connector builds it from vLLM's groups."""
+    names = list(device)
+    groups = []
+    start = 0
+    for g, size in enumerate(m.group_sizes):
+        spec = SimpleNamespace(num_kv_heads=m.num_kv_heads, head_size=m.head_size,
+                               sliding_window=None if g == 0 else m.sliding_window)
+        groups.append((names[start : start + size], spec))
+        start += size
+    return EngineCopyOp(device, host, kvstage_groups(groups, device))
 
 
 def vllm_host_buffers(device: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -135,7 +153,7 @@ def bench_copies(repeats: int) -> list[str]:
             t.copy_(torch.randn(t.shape, dtype=torch.float32))
         theirs = vllm_host_buffers(device)
         ours = mirror_host_buffers(device)
-        copier = BlockCopier(device, ours)
+        copier = connector_op(m, device, ours)
         for fragmented in (False, True):
             ids = request_ids(m, tokens, num_blocks, fragmented=fragmented)
             for direction in ("d2h", "h2d"):

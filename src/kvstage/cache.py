@@ -8,6 +8,9 @@ Contract:
   allocates kvstage's own slab (the CLI, demo and benches).
 - kvstage owns the host buffer: ONE allocation for every physical tensor (pinned where
   the device is CUDA), so host bytes equal the device pool, never groups x the pool.
+  `HostBuffer.wrap_layers(layout, layers)` instead wraps host tensors a caller allocated
+  as a mirror of the device (the vLLM connector's, whose raw bytes NIXL reads as the
+  peer's device layout): ``MIRROR`` layout, nothing copied, no ``descriptors``.
 
 Every physical tensor is addressed as ``[num_planes, num_blocks, plane_elems]``
 (`KVCache.tensor_views`); when they are evenly spaced in one storage (kvstage's slab,
@@ -289,6 +292,31 @@ class HostBuffer:
         # READ into untouched pages is several times slower (BENCHMARKS.md)
         self.storage.zero_()
         self.pinned = pin_memory
+        self._views: list[torch.Tensor] | None = None  # set by wrap_layers only
+
+    @classmethod
+    def wrap_layers(cls, layout: KVLayout, layers: Mapping[str, torch.Tensor]) -> HostBuffer:
+        """Wrap a caller's host tensors ``{layer_name: tensor}`` laid out as the device's
+        (same checks as `KVCache.wrap_layers`); nothing is copied. ``storage`` is the
+        ``[T, P, NB, E]`` view when the tensors form a slab, else None (then a `CopyEngine`
+        copies per physical tensor, ``direct`` mode)."""
+        wrapped = KVCache.wrap_layers(layout, layers)
+        if wrapped.device.type != "cpu":
+            raise ValueError(f"a host buffer lives on the CPU, got tensors on {wrapped.device}")
+        buf = cls.__new__(cls)
+        buf.layout = layout
+        buf.host_layout = HostLayout.MIRROR
+        buf.storage = wrapped.slab  # type: ignore[assignment]
+        buf.pinned = all(v.is_pinned() for v in wrapped.tensor_views)
+        buf._views = wrapped.tensor_views
+        return buf
+
+    @property
+    def tensor_views(self) -> list[torch.Tensor]:
+        """Per physical tensor ``[P, NB, E]`` views (what a copy pairs with the device's)."""
+        if self._views is not None:
+            return self._views
+        return list(self.canonical.unbind(0))
 
     @classmethod
     def for_device(
@@ -306,24 +334,29 @@ class HostBuffer:
 
     @property
     def canonical(self) -> torch.Tensor:
-        """``[T, P, NB, E]`` view of the storage."""
+        """``[T, P, NB, E]`` view of the storage (wrapped tensors that form no slab have
+        none: see ``tensor_views``)."""
+        if self.storage is None:
+            raise ValueError("this wrapped host buffer is not one slab; use tensor_views")
         return self.storage.permute(1, 2, 0, 3) if self.block_major else self.storage
 
     @property
     def nbytes(self) -> int:
-        return self.storage.numel() * self.storage.element_size()
+        return sum(v.numel() * v.element_size() for v in self.tensor_views)
 
     @property
     def data_ptr(self) -> int:
         return int(self.storage.data_ptr())
 
     def layer_views(self) -> dict[str, torch.Tensor]:
-        return _layer_views(self.layout, list(self.canonical.unbind(0)))
+        return _layer_views(self.layout, self.tensor_views)
 
     def descriptors(self, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``[N, 2]`` int64 (addr, nbytes) covering blocks [start, start + length) of every
         tensor: one row per range in block-major, one per range per tensor per plane in
         mirror (tensor-major order)."""
+        if self._views is not None:
+            raise ValueError("a wrapped host buffer is described by its owner (vLLM), not here")
         starts = np.asarray(starts, dtype=np.int64)
         lengths = np.asarray(lengths, dtype=np.int64)
         lay = self.layout

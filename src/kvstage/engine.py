@@ -96,16 +96,22 @@ class CopyEngine:
         self.is_cuda = cache.device.type == "cuda"
         if self.is_cuda and not host.pinned:
             raise ValueError("a CUDA cache needs a pinned host buffer: HostBuffer.for_device()")
-        self.mode = ("staged" if self.is_cuda else "direct") if mode == "auto" else mode
+        # staged copies address the host as one [T, P, NB, E] storage; a wrapped host
+        # buffer (vLLM's mirrored tensors) may have none
+        can_stage = host.storage is not None
+        if mode == "staged" and not can_stage:
+            raise ValueError("staged copies need a host buffer with one storage; use 'direct'")
+        self.mode = ("staged" if self.is_cuda and can_stage else "direct") if mode == "auto" \
+            else mode
         self._block_bytes = self.layout.block_bytes
         # (device view, host view, block dim) per copy of a run, built once: the slab and
         # the host's [T, P, NB, E] view, or each physical tensor's [P, NB, E] pair
-        host_view = host.canonical
+        host_view = host.canonical if can_stage else None
         slab = cache.canonical
         self._pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = (
-            [(slab, host_view, 2)] if slab is not None else [
+            [(slab, host_view, 2)] if slab is not None and host_view is not None else [
                 (dev, hst, 1)
-                for dev, hst in zip(cache.tensor_views, host_view.unbind(0), strict=True)
+                for dev, hst in zip(cache.tensor_views, host.tensor_views, strict=True)
             ]
         )
 

@@ -16,10 +16,11 @@ layer in tensor 3) are copied too; no layer reads them, so that costs bytes only
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import numpy as np
 
-from kvstage.blocks import NULL_BLOCK, GroupedBlockIds
+from kvstage.blocks import NULL_BLOCK, SMALL_IDS, GroupedBlockIds
 from kvstage.layout import KVLayout
 
 DEFAULT_MAX_TEMP_BYTES = 8 << 20
@@ -111,6 +112,22 @@ def _run_list(ids: list[int]) -> list[tuple[int, int, int]]:
         prev = i
     runs.append((start, start, prev - start + 1))
     return runs
+
+
+def runs_of_ids(ids: Sequence[int]) -> list[tuple[int, int, int]] | np.ndarray:
+    """Runs ``(start, start, n)`` of one flat list of an engine's own ids copied onto
+    themselves (device and host share ids): the runs `plan_copy` makes from
+    ``GroupedBlockIds(..., trusted=True)``, without building either object (a small
+    request's copy is a few us; those two cost about as much again). Sorted unique
+    non-null ids; no checks: for ids the engine's allocator produced. A list of tuples
+    up to `SMALL_IDS` ids, else int64 ``[R, 3]``."""
+    if len(ids) <= SMALL_IDS:
+        real = set(ids)
+        real.discard(NULL_BLOCK)
+        return _run_list(sorted(real))
+    arr = np.unique(np.asarray(ids, dtype=np.int64))
+    arr = arr[arr != NULL_BLOCK]
+    return _runs_of_sorted(arr) if arr.size else []
 
 
 class CopyPlan:

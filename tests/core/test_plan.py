@@ -198,3 +198,19 @@ def test_plan_equality_is_by_content() -> None:
     assert a != "plan" and "CopyPlan(blocks=15, runs=1" in repr(a)
     with pytest.raises(TypeError, match="unhashable"):
         hash(a)
+
+
+@pytest.mark.parametrize("n", [0, 9, 300])
+def test_runs_of_ids_equal_plan_copy_runs(n: int) -> None:
+    """The connector's fast path gives the runs plan_copy gives for the same trusted ids
+    (small lists in Python, large ones in numpy), null ids and order ignored."""
+    from kvstage.plan import runs_of_ids
+
+    layout = preset("gemma-3-1b", num_blocks=2 * n + 8)
+    rng = np.random.default_rng(n)
+    ids = [int(i) for i in rng.permutation(np.arange(1, 2 * n + 8))[:n]] + [0, 0]
+    want = plan_copy(layout, GroupedBlockIds([ids] + [[]] * (layout.num_groups - 1), layout,
+                                             trusted=True)).runs.tolist()
+    got = runs_of_ids(ids)
+    assert [list(r) for r in (got.tolist() if isinstance(got, np.ndarray) else got)] == want
+    assert isinstance(got, np.ndarray) == (n + 2 > 256)

@@ -18,8 +18,10 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   With vLLM's per-layer buffers a READ fills each region for its own group's blocks only,
   then the h2d writes every layer name into the aliased device views and the last writer
   (a layer whose buffer never got those blocks) wins: wrong tokens on hybrid models.
-- d2h/h2d: `host_buffers.BlockCopier`, one ``copy_`` per distinct view per run of
-  consecutive block ids, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
+- d2h/h2d: kvstage's `CopyEngine` (`copies.EngineCopyOp`, over ``KVCache.wrap_layers`` of
+  the device tensors and ``HostBuffer.wrap_layers`` of the mirrored host ones, ids trusted:
+  vLLM allocated them): one ``copy_`` per run of consecutive block ids for every physical
+  tensor at once, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
 - Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
   scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two
   would keep its first part's bytes only).
@@ -81,7 +83,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_
 from vllm.distributed.nixl_utils import NixlWrapper
 from vllm.logger import init_logger
 
-from kvstage.integrations.vllm.host_buffers import BlockCopier, host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
+from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
 from kvstage.integrations.vllm.stats import (
     KVStagePromMetrics,
     KVStageStats,
@@ -167,23 +170,27 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             )
         # Both sides must stage through kvstage's buffers: the check is not optional.
         self.enforce_compat_hash = True
-        self._copier: BlockCopier | None = None
+        self._copier: EngineCopyOp | None = None
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
-        self._copier = BlockCopier(kv_caches, self.host_xfer_buffers)
+        groups = [(g.layer_names, g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups]
+        self._copier = EngineCopyOp(
+            kv_caches, self.host_xfer_buffers, kvstage_groups(groups, kv_caches)
+        )
         # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
         # set ours now, so the path is complete whatever the platform.
         self.copy_blocks = self._copier
         per_layer = sum(t.nbytes for t in kv_caches.values())
         logger.info(
             "kvstage host buffers: %d layer names over %d allocation(s), %d bytes "
-            "(per-layer-name buffers would take %d); %d distinct views copied per run",
+            "(per-layer-name buffers would take %d); %d physical tensors, one copy per run "
+            "for all of them",
             len(kv_caches),
             len({t.untyped_storage().data_ptr() for t in self.host_xfer_buffers.values()}),
             host_nbytes(self.host_xfer_buffers),
             per_layer,
-            len(self._copier.layer_names),
+            len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
         )
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
