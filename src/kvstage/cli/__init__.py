@@ -1,4 +1,5 @@
-"""`kvstage demo | prefill | decode | bench copy | bench transfer | bench soak`.
+"""`kvstage demo | prefill | decode | bench copy | bench transfer | bench soak | serve-pd |
+tiny-model`.
 
 One convention: every command module exposes ``add_arguments(parser)`` and
 ``run(args) -> int``. The table below names them all; a missing module is an error,
@@ -20,6 +21,8 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
     (("bench", "copy"), "kvstage.bench.copy", "device<->host copy strategies, op counts, memory"),
     (("bench", "transfer"), "kvstage.bench.transfer", "NIXL READ: merged vs per-block descs"),
     (("bench", "soak"), "kvstage.bench.soak", "many requests with faults; every one accounted for"),
+    (("serve-pd",), "kvstage.cli.serve_pd", "P/D vllm api_servers behind vllm-router"),
+    (("tiny-model",), "kvstage.cli.tiny_model", "build the tiny hybrid Gemma3 + tokenizer to DIR"),
 ]
 
 

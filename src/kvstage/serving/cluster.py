@@ -204,6 +204,7 @@ class PDCluster:
     prefills: list[Instance] = field(init=False, default_factory=list)
     decodes: list[Instance] = field(init=False, default_factory=list)
     router: Instance | None = field(init=False, default=None)
+    _routers: list[Instance] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         if self.connector not in CONNECTORS[:2]:
@@ -256,19 +257,33 @@ class PDCluster:
                 inst.spawn()
             for inst in self.instances:
                 inst.wait_ready(self.start_timeout)
-            self.router = router_instance(
-                self.prefills, self.decodes, port=self._router_ports[0],
-                metrics_port=self._router_ports[1], log_dir=Path(str(self.log_dir)),
-                policy=self.router_policy, extra=self.router_args)
-            self.router.start(timeout=90.0)
+            self.router = self.start_router(port=self._router_ports[0],
+                                            metrics_port=self._router_ports[1])
         except BaseException:
             self.stop()
             raise
         return self
 
+    def start_router(self, prefills: list[Instance] | None = None,
+                     decodes: list[Instance] | None = None, *, port: int | None = None,
+                     metrics_port: int | None = None, timeout: float = 90.0) -> Instance:
+        """Start one more vllm-router over a subset of the instances (default: all), e.g.
+        a 1P1D view of a 2P2D cluster; it stops with the cluster."""
+        if port is None or metrics_port is None:
+            port, metrics_port = free_ports(2)
+        router = router_instance(
+            self.prefills if prefills is None else prefills,
+            self.decodes if decodes is None else decodes, port=port,
+            metrics_port=metrics_port, log_dir=Path(str(self.log_dir)),
+            policy=self.router_policy, extra=self.router_args)
+        router.name = f"router{len(self._routers)}" if self._routers else "router"
+        router.log_path = router.log_path.with_name(f"{router.name}.log")
+        self._routers.append(router)
+        return router.start(timeout=timeout)
+
     def stop(self) -> None:
-        """Router first (no new work), then every api_server; each bounded."""
-        for inst in ([self.router] if self.router else []) + self.instances:
+        """Routers first (no new work), then every api_server; each bounded."""
+        for inst in [*self._routers, *self.instances]:
             inst.stop()
 
     def __enter__(self) -> PDCluster:

@@ -1,0 +1,41 @@
+"""`kvstage tiny-model DIR`: build the tiny random hybrid Gemma3 with its tokenizer.
+
+Writes config, safetensors (fixed seed: byte-identical on every build) and a word-level
+tokenizer into DIR, for `kvstage serve-pd` and vLLM on CPU. Needs torch + transformers
+(.venv-vllm has them); imported only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _out_dir(text: str) -> str:
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / "config.json").exists():
+        raise argparse.ArgumentTypeError(f"{text!r} is a non-empty directory without a "
+                                         "model in it; give a new or empty directory")
+    return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", type=_out_dir, help="output directory (created; a previous build "
+                                              "there is overwritten)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import transformers  # noqa: F401 (only to fail early with one line)
+    except ImportError:
+        print("kvstage tiny-model: needs transformers (and torch); run it with "
+              ".venv-vllm/bin/kvstage (make .venv-vllm/.kvstage-vllm-installed)",
+              file=sys.stderr)
+        return 2
+    from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
+
+    print(build_tiny_gemma3(args.dir).resolve())
+    return 0
