@@ -96,8 +96,14 @@ class Authenticator:
     def seal(self, msg: m.Message, *, reply_to: bytes | None = None) -> tuple[bytes, bytes]:
         """(wire bytes, nonce) of ``msg``; a reply passes its request's nonce (b"" when
         the request had none), so a reply can never pass for a request."""
+        return self.seal_bytes(m.encode(msg), reply_to=reply_to)
+
+    def seal_bytes(self, payload: bytes, *,
+                   reply_to: bytes | None = None) -> tuple[bytes, bytes]:
+        """`seal` for a payload that is not a kvstage message (vLLM's handshake, carried
+        by `kvstage.integrations.vllm.secure`); the caller decodes it after opening."""
         env = Envelope(ts_ms=int(self.clock() * 1000), nonce=secrets.token_bytes(NONCE_BYTES),
-                       reply_to=reply_to or b"", payload=m.encode(msg))
+                       reply_to=reply_to or b"", payload=payload)
         if self.key is not None:
             env.mac = _mac(self.key, b"Q" if reply_to is None else b"P", env)
         return _env_encoder.encode(env), env.nonce
@@ -114,22 +120,31 @@ class Authenticator:
 
     def open_request(self, data: bytes) -> tuple[m.Message, bytes]:
         """(message, its nonce) of a request; `Unauthorized` or `ProtocolMismatch`."""
+        payload, nonce = self.open_request_bytes(data)
+        return m.decode(payload), nonce
+
+    def open_request_bytes(self, data: bytes) -> tuple[bytes, bytes]:
+        """`open_request` without decoding the payload (only after its MAC verified)."""
         env = self._envelope(data)
         if self.key is not None:
             self._verify(env, b"Q")
             self._remember(env.nonce)
-        return m.decode(env.payload), env.nonce
+        return env.payload, env.nonce
 
     def open_reply(self, data: bytes, request_nonce: bytes | None) -> m.Message:
         """The reply to the request sent with ``request_nonce`` (None: not checked, for
         tests that send raw bytes)."""
+        return m.decode(self.open_reply_bytes(data, request_nonce))
+
+    def open_reply_bytes(self, data: bytes, request_nonce: bytes | None) -> bytes:
+        """`open_reply` without decoding the payload."""
         env = self._envelope(data)
         if self.key is not None:
             self._verify(env, b"P")
             if request_nonce is not None and not hmac.compare_digest(env.reply_to,
                                                                      request_nonce):
                 raise Unauthorized("side-channel reply does not answer this request")
-        return m.decode(env.payload)
+        return env.payload
 
     def _envelope(self, data: bytes) -> Envelope:
         if len(data) > m.MAX_MESSAGE_BYTES:
@@ -249,14 +264,15 @@ def is_loopback(host: str) -> bool:
 
 
 def check_bind(host: str, key: bytes | None, *, insecure: bool,
-               action: str = "listen on") -> None:
+               action: str = "listen on",
+               fix: str = f"(--key-file PATH or {KEY_ENV}) on prefill and decode, or pass "
+                          "--insecure") -> None:
     """Refuse to serve (or ``action``) a non-loopback address without a key unless
-    ``insecure``."""
+    ``insecure``; ``fix`` names the settings (the CLI's flags by default)."""
     if key is None and not insecure and not is_loopback(host):
         raise InvalidRequest(
             f"refusing to {action} {host} without a key: anyone who reaches the port "
-            f"could release requests and READ the host buffer. Give a shared key "
-            f"(--key-file PATH or {KEY_ENV}) on prefill and decode, or pass --insecure"
+            f"could release requests and READ the host buffer. Give a shared key {fix}"
         )
 
 

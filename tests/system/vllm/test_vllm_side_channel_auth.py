@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
+from kvstage.integrations.vllm.secure_handshake import HandshakeRefused, fetch_payload  # noqa: E402
 from kvstage.pd.side_channel import send_raw  # noqa: E402
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
 from kvstage.testing.vllm_engines import (  # noqa: E402
@@ -39,34 +40,51 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
 )
 from kvstage.transport.nixl import NixlTransport  # noqa: E402
 
-pytestmark = [
-    pytest.mark.timeout(900),
-    # measured on main at 8c310df: the metadata is served to anyone, the forged
-    # "<request id>:1" freed the request's blocks, b"\xff\xfe:1" killed the prefill engine
-    # (UnicodeDecodeError in vLLM's notification parser); removed with the fix
-    pytest.mark.xfail(strict=True, reason="vLLM's side channel and notifications are not "
-                      "authenticated inside the connector yet (issue 20 item 3)"),
-]
+# Before the fix (main at 8c310df, as committed in d9d75f7) the first three failed: the
+# metadata was served to anyone, the forged "<request id>:1" freed the request's blocks
+# (held 2 -> 1), and b"\xff\xfe:1" killed the prefill engine (UnicodeDecodeError in vLLM's
+# notification parser).
+pytestmark = pytest.mark.timeout(900)
 
 KEY = "kvstage-test-key-" + "7" * 24
 BLOCK_SIZE = 32
 PROMPTS = [np.random.default_rng(5).integers(3, VOCAB_SIZE, size=n).tolist() for n in (100, 70)]
 
 
-def _spec(model: Path, log: Path, core: int, role: str, port: int) -> EngineSpec:
+def _spec(model: Path, log: Path, core: int, role: str | None, port: int = 0, *,
+          env_key: bool = False, key_file: Path | None = None) -> EngineSpec:
+    """``env_key``: the key in ``KVSTAGE_KEY``; ``key_file``: named in the config."""
+    extra = {} if key_file is None else {"kvstage_key_file": str(key_file)}
     return EngineSpec(
         model=str(model), log_path=str(log), block_size=BLOCK_SIZE, cpu_core=core,
-        kv_transfer_config=kv_transfer_config(KVSTAGE_CONNECTOR, role),
-        env={**side_channel_env(port), "KVSTAGE_KEY": KEY},
+        kv_transfer_config=None if role is None else kv_transfer_config(
+            KVSTAGE_CONNECTOR, role, **extra),
+        env={**(side_channel_env(port) if port else {}),
+             **({"KVSTAGE_KEY": KEY} if env_key else {})},
     )
 
 
+def _key_file(path: Path, key: str) -> Path:
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return path
+
+
 @pytest.fixture(scope="module")
-def prefill(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMEngine, int]]:
-    model = build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
-    logs = tmp_path_factory.mktemp("engine-logs")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="module")
+def prefill(model: Path, logs: Path) -> Iterator[tuple[VLLMEngine, int]]:
     port = free_ports(1)[0]
-    with VLLMEngine(_spec(model, logs / "prefill.log", 0, "kv_producer", port)) as engine:
+    spec = _spec(model, logs / "prefill.log", 0, "kv_producer", port, env_key=True)
+    with VLLMEngine(spec) as engine:
         engine.start()
         yield engine, port
 
@@ -88,11 +106,18 @@ def _unauthenticated_payload(port: int) -> NixlHandshakePayload | None:
 def test_no_agent_metadata_without_the_key(prefill: tuple[VLLMEngine, int]) -> None:
     _, port = prefill
     assert _unauthenticated_payload(port) is None
+    # what comes back instead: a refusal that says why, with no metadata in it
+    refusal = fetch_payload("127.0.0.1", port, None)
+    assert refusal is not None and refusal.agent_metadata_bytes == b""
+    assert refusal.compatibility_hash.startswith("kvstage-refused: this prefill requires")
+    with pytest.raises(HandshakeRefused, match="wrong MAC: the keys differ"):
+        fetch_payload("127.0.0.1", port, b"another-key-" + b"9" * 20)
 
 
 def _attacker(port: int) -> tuple[NixlTransport, str]:
-    """A NIXL agent holding the prefill's agent metadata (however it got it)."""
-    payload = _unauthenticated_payload(port)
+    """A NIXL agent holding the prefill's agent metadata (however it got it: here through
+    the keyed side channel, as a peer holding the key or a leak would)."""
+    payload = fetch_payload("127.0.0.1", port, KEY.encode())
     assert payload is not None
     meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
     agent = NixlTransport("kvstage-test-attacker")
@@ -133,6 +158,53 @@ def test_forged_and_replayed_notifications_free_nothing(prefill: tuple[VLLMEngin
         assert again.free_blocks == freed.free_blocks
     finally:
         agent.close()
+
+
+def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
+    model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path
+) -> None:
+    """Honest P/D with the key (prefill: KVSTAGE_KEY, decode: kvstage_key_file): the
+    decode's tokens equal a single engine's, and its notifications free the prefill's
+    blocks (the capability travelled in kv_transfer_params)."""
+    engine, _ = prefill
+    with VLLMEngine(_spec(model, logs / "single.log", 1, None)) as single:
+        single.start()
+        expected = single.generate(PROMPTS, max_tokens=8)
+    key_file = _key_file(tmp_path / "key", KEY)
+    decode_spec = _spec(model, logs / "decode.log", 1, "kv_consumer", free_ports(1)[0],
+                        key_file=key_file)
+    with VLLMEngine(decode_spec) as decode:
+        decode.start()
+        before = engine.held()
+        first = engine.generate(PROMPTS, max_tokens=1,
+                                kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS) for _ in PROMPTS])
+        params = [c.kv_transfer_params for c in first]
+        assert all("#" in str(p["remote_request_id"]) for p in params)  # type: ignore[index]
+        got = decode.generate(PROMPTS, max_tokens=8, kv_transfer_params=params)
+        after = engine.held()
+    assert [c.token_ids for c in got] == [c.token_ids for c in expected]
+    assert [c.logprobs for c in got] == [c.logprobs for c in expected]
+    assert after.request_ids == before.request_ids  # both freed by the decode's notifications
+    assert after.free_blocks == before.free_blocks
+    assert "NIXL compatibility check passed (hash: kvstage1:" in decode.log_tail(1 << 20)
+
+
+def test_decode_with_a_wrong_key_is_refused_clearly(
+    model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path
+) -> None:
+    engine, _ = prefill
+    key_file = _key_file(tmp_path / "wrong-key", "a-wrong-key-" + "3" * 24)
+    decode_spec = _spec(model, logs / "decode-wrong-key.log", 1, "kv_consumer",
+                        free_ports(1)[0], key_file=key_file)
+    with VLLMEngine(decode_spec) as decode:
+        decode.start()
+        first = engine.generate(PROMPTS[:1], max_tokens=1,
+                                kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS)])
+        got = decode.generate(PROMPTS[:1], max_tokens=8,
+                              kv_transfer_params=[first[0].kv_transfer_params])
+        log = decode.log_tail(1 << 20)
+    assert got[0].finish_reason == "error" and got[0].token_ids == []
+    assert "refused the handshake: 'side-channel message has a wrong MAC: the keys differ'" in log
 
 
 def test_garbage_notifications_do_not_stop_the_prefill(prefill: tuple[VLLMEngine, int]) -> None:

@@ -30,6 +30,15 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   would read or serve per-layer buffers), and the check is always enforced. When vLLM's
   handshake fails, the peer's hash is asked for again (`remote_compat_hash`, bounded) to
   word the refusal: the decision is on that hash, not on vLLM's error text.
+- Side channel and notifications (`secure`, `secure_handshake`): with a shared key
+  (``KVSTAGE_KEY``, or a file named by ``kvstage_key_file`` in ``kv_connector_extra_config``)
+  the handshake is sealed with kvstage's HMAC envelope (a peer without the key gets a
+  refusal, no metadata; a decode with another key is refused, saying so), and a notification
+  frees (or a heartbeat extends) a request only with its capability, which the prefill hands
+  out inside ``kv_transfer_params["remote_request_id"]``. Notifications vLLM's parser would
+  crash on are dropped, with or without a key. Without a key, a non-loopback
+  ``VLLM_NIXL_SIDE_CHANNEL_HOST`` refuses to start unless
+  ``"kvstage_allow_unauthenticated": true``; loopback works as vLLM, logged once.
 - NIXL progress thread: vLLM's agent is created with a 1 ms progress-thread delay
   (``kvstage_progress_delay_us``; nixl-cu12 1.5.1's wrapper hard-codes 0, a core per
   worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
@@ -41,7 +50,8 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   "KV Transfer metrics" log and ``/metrics`` (``vllm:kvstage_*``) show them.
 
 Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
-``get_finished``); this module starts no thread.
+``get_finished``); this module starts no thread (vLLM's listener thread runs
+`secure_handshake.serve_handshake`, vLLM's handshake thread the sealed query).
 
 vLLM versions supported: 0.32.0 and 0.33.0 (sleep mode refused: ``supports_sleep_mode``
 False, ``unregister_kv_caches``/``restore_kv_caches`` raise). The subclass surface, all of
@@ -55,20 +65,31 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
   ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``; attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
   ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
-  ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property).
+  ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property),
+  ``nixl_wrapper`` (its ``get_new_notifs`` wrapped on the instance, `secure`), ``engine_id``.
+  vLLM's ``_nixl_handshake`` runs unchanged inside a thread-local switch that seals the REQ
+  socket it opens with the module global ``nixl.base_worker.zmq_ctx`` (wrapped once per
+  process; it calls ``setsockopt``, ``send``, ``recv_multipart`` on it).
 - `stats`: ``NixlKVConnectorStats`` (``reset``, ``is_empty``, ``aggregate``, ``reduce``,
   ``data``), ``NixlPromMetrics`` (``__init__``, ``observe``), ``create_metric_per_engine``.
-- `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``;
-  attributes used: ``use_host_buffer``, ``_reqs_need_save``, ``get_exchange_clipped_blocks``.
+- `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``,
+  ``_nixl_handshake_listener`` (a staticmethod in vLLM, replaced by a method; vLLM's thread
+  calls it with its arguments), ``request_finished`` (its ``remote_request_id`` gains the
+  capability); attributes used: ``use_host_buffer``, ``_reqs_need_save``,
+  ``get_exchange_clipped_blocks``, ``side_channel_host``, ``engine_id``.
+- Other vLLM names used: ``NixlHandshakePayload``, ``GET_META_MSG``, the handshake wire
+  (query ``(GET_META_MSG, pp_rank, tp_rank)``, reply ``[payload, perf_counter]``), the
+  notification texts ``<id>:<consumers>`` and ``HB:<id>,...`` (``_get_new_notifs``),
+  ``envs.VLLM_NIXL_SIDE_CHANNEL_HOST``, ``make_zmq_path``, ``get_from_extra_config``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import torch
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp, KVConnectorRole
@@ -79,10 +100,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlConnectorWorker,
     NixlHandshakePayload,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.distributed.nixl_utils import NixlWrapper
 from vllm.logger import init_logger
 
+from kvstage.integrations.vllm import secure, secure_handshake
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
 from kvstage.integrations.vllm.stats import (
@@ -90,7 +111,6 @@ from kvstage.integrations.vllm.stats import (
     KVStageStats,
     metered_copy_blocks,
 )
-from kvstage.pd.side_channel import send_raw
 from kvstage.transport.nixl_agent import (
     DEFAULT_PROGRESS_DELAY_US,
     check_progress_delay,
@@ -102,6 +122,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 # under "vllm." so the messages go where vLLM's own go
 logger = init_logger(f"vllm.{__name__}")
@@ -158,8 +179,14 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     ) -> None:
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
+        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
         with _sleeping_progress_thread(vllm_config):
             super().__init__(vllm_config, engine_id, kv_cache_config)
+        # notifications must carry the request's capability (secure.py); handshakes sealed
+        secure.guard_notifications(
+            self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
+        )
+        secure_handshake.install()
         self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
         if _force_host_buffer(vllm_config):
             self.use_host_buffer = True
@@ -210,11 +237,16 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     def _nixl_handshake(
         self, host: str, port: int, *args: Any, **kwargs: Any
     ) -> tuple[dict[tuple[int, int], str], float]:
+        security = self._kvstage_security
+        security.check_address(host, action="handshake with the prefill at")
         try:
-            return super()._nixl_handshake(host, port, *args, **kwargs)
+            with secure_handshake.sealed_handshakes(security.key):
+                return super()._nixl_handshake(host, port, *args, **kwargs)
+        except secure_handshake.HandshakeRefused:
+            raise  # says why already (a refusal or a reply that failed the key check)
         except RuntimeError as e:
             # Decided on the peer's hash, asked for again, never on vLLM's error text.
-            remote = remote_compat_hash(host, port)
+            remote = remote_compat_hash(host, port, key=security.key)
             if remote is None or remote == self.compat_hash:
                 raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
             if not remote.startswith("kvstage"):
@@ -233,19 +265,17 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             ) from e
 
 
-def remote_compat_hash(host: str, port: int, *, timeout_s: float = 5.0) -> str | None:
+def remote_compat_hash(
+    host: str, port: int, *, key: bytes | None = None, timeout_s: float = 5.0
+) -> str | None:
     """The compatibility hash a vLLM NIXL handshake listener at ``host:port`` sends (its
-    rank 0's payload, as vLLM's own handshake asks for it), or None if it does not
-    answer in ``timeout_s`` or answers with something else."""
-    query = msgspec.msgpack.encode((GET_META_MSG, 0, 0))
-    reply = send_raw(host, port, query, timeout_s=timeout_s)
-    if reply is None:
-        return None
+    rank 0's payload, as vLLM's own handshake asks for it; sealed with ``key``), or None if
+    it does not answer in ``timeout_s`` or answers with something else."""
     try:
-        payload = msgspec.msgpack.decode(reply, type=NixlHandshakePayload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
+        payload = secure_handshake.fetch_payload(host, port, key, timeout_s=timeout_s)
+    except secure_handshake.HandshakeRefused:
         return None
-    return str(payload.compatibility_hash)
+    return None if payload is None else str(payload.compatibility_hash)
 
 
 class KVStageConnectorScheduler(NixlConnectorScheduler):
@@ -255,10 +285,38 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._kvstage_security = secure.Security.from_config(
+            vllm_config, side_channel_host=self.side_channel_host
+        )
         if _force_host_buffer(vllm_config):
             self.use_host_buffer = True
         # request id -> the block ids scheduled so far, per KV cache group
         self._kvstage_pending: dict[str, list[list[int]]] = {}
+
+    def _nixl_handshake_listener(
+        self,
+        encoded_data: dict[tuple[int, int], bytes],
+        ready_event: threading.Event,
+        stop_event: threading.Event,
+        host: str,
+        port: int,
+    ) -> None:
+        # vLLM's thread runs kvstage's listener: sealed with the key, refusing the rest
+        secure_handshake.serve_handshake(
+            encoded_data, ready_event, stop_event, host, port, key=self._kvstage_security.key
+        )
+
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay_free, params = super().request_finished(request, block_ids)
+        key = self._kvstage_security.key
+        if key is not None and params is not None and params.get("do_remote_prefill"):
+            # the decode's notifications for this request must carry its capability
+            params["remote_request_id"] = secure.with_capability(
+                key, self.engine_id, request.request_id
+            )
+        return delay_free, params
 
     def _build_save_meta(
         self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput
