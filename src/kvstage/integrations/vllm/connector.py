@@ -22,6 +22,11 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   the device tensors and ``HostBuffer.wrap_layers`` of the mirrored host ones, ids trusted:
   vLLM allocated them): one ``copy_`` per run of consecutive block ids for every physical
   tensor at once, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
+- READ descriptors: one per run of blocks consecutive on both sides per region, not one
+  per (region, block) (`reads.MergedReads` over vLLM's NIXL agent; vLLM's read path,
+  notifications and timeouts unchanged). ``kvstage_merge_reads: false`` in
+  ``kv_connector_extra_config`` keeps vLLM's per-block descriptors (benches compare);
+  ``kvstage_log_reads: true`` logs every READ's counts and NIXL figures.
 - Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
   scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two
   would keep its first part's bytes only).
@@ -66,7 +71,11 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
   ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
   ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property),
-  ``nixl_wrapper`` (its ``get_new_notifs`` wrapped on the instance, `secure`), ``engine_id``.
+  ``nixl_wrapper`` (its ``get_new_notifs`` wrapped on the instance, `secure`; its
+  ``get_xfer_descs``, ``prep_xfer_dlist``, ``release_dlist_handle``, ``make_prepped_xfer``,
+  ``get_xfer_telemetry`` wrapped on the instance, `reads`: vLLM's read path must keep
+  posting ``make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids,
+  notif_msg=...)`` over lists it prepared from ``[N, 3]`` arrays), ``engine_id``.
   vLLM's ``_nixl_handshake`` runs unchanged inside a thread-local switch that seals the REQ
   socket it opens with the module global ``nixl.base_worker.zmq_ctx`` (wrapped once per
   process; it calls ``setsockopt``, ``send``, ``recv_multipart`` on it).
@@ -106,6 +115,7 @@ from vllm.logger import init_logger
 from kvstage.integrations.vllm import secure, secure_handshake
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.reads import install_merged_reads
 from kvstage.integrations.vllm.stats import (
     KVStagePromMetrics,
     KVStageStats,
@@ -187,6 +197,10 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
         )
         secure_handshake.install()
+        # READs post one descriptor per run per region, not per (region, block): reads.py
+        self._kvstage_reads = install_merged_reads(
+            self.nixl_wrapper, self.kv_transfer_config.kv_connector_extra_config or {}, logger
+        )
         self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
         if _force_host_buffer(vllm_config):
             self.use_host_buffer = True
