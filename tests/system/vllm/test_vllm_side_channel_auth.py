@@ -189,12 +189,19 @@ def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
     assert "NIXL compatibility check passed (hash: kvstage1:" in decode.log_tail(1 << 20)
 
 
-def test_decode_with_a_wrong_key_is_refused_clearly(
-    model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path
+@pytest.mark.parametrize(("decode_key", "says"), [
+    ("a-wrong-key-" + "3" * 24,
+     "refused the handshake: 'side-channel message has a wrong MAC: the keys differ'"),
+    (None, "refused the handshake: 'this prefill requires the shared key"),
+], ids=["wrong-key", "no-key"])
+def test_decode_without_the_right_key_is_refused_clearly(
+    model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path,
+    decode_key: str | None, says: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     engine, _ = prefill
-    key_file = _key_file(tmp_path / "wrong-key", "a-wrong-key-" + "3" * 24)
-    decode_spec = _spec(model, logs / "decode-wrong-key.log", 1, "kv_consumer",
+    monkeypatch.delenv("KVSTAGE_KEY", raising=False)  # engines inherit this environment
+    key_file = None if decode_key is None else _key_file(tmp_path / "key", decode_key)
+    decode_spec = _spec(model, logs / f"decode-{decode_key is None}.log", 1, "kv_consumer",
                         free_ports(1)[0], key_file=key_file)
     with VLLMEngine(decode_spec) as decode:
         decode.start()
@@ -204,7 +211,7 @@ def test_decode_with_a_wrong_key_is_refused_clearly(
                               kv_transfer_params=[first[0].kv_transfer_params])
         log = decode.log_tail(1 << 20)
     assert got[0].finish_reason == "error" and got[0].token_ids == []
-    assert "refused the handshake: 'side-channel message has a wrong MAC: the keys differ'" in log
+    assert says in log
 
 
 def test_garbage_notifications_do_not_stop_the_prefill(prefill: tuple[VLLMEngine, int]) -> None:

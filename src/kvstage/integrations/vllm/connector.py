@@ -263,6 +263,11 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             remote = remote_compat_hash(host, port, key=security.key)
             if remote is None or remote == self.compat_hash:
                 raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
+            if remote.startswith(secure_handshake.REFUSED_PREFIX):  # e.g. we have no key
+                raise secure_handshake.HandshakeRefused(
+                    f"the prefill at {host}:{port} refused the handshake: "
+                    f"{remote[len(secure_handshake.REFUSED_PREFIX):]!r}"
+                ) from e
             if not remote.startswith("kvstage"):
                 raise RuntimeError(
                     f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
@@ -325,8 +330,8 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         delay_free, params = super().request_finished(request, block_ids)
         key = self._kvstage_security.key
-        if key is not None and params is not None and params.get("do_remote_prefill"):
-            # the decode's notifications for this request must carry its capability
+        if key is not None and params is not None and "remote_request_id" in params:
+            # the reader's notifications for this request must carry its capability
             params["remote_request_id"] = secure.with_capability(
                 key, self.engine_id, request.request_id
             )
