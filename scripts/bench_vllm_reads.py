@@ -16,6 +16,10 @@ tokens must agree every round.
 
     .venv-vllm/bin/python scripts/bench_vllm_reads.py [--rounds 15] [--lengths 64 300] \
         [--pool-blocks 64] [--logs DIR]
+
+``--scheme``: the same comparison without engines on gemma-3-1b's shapes (4 regions, 224 to
+710 ids), where the per-block count is large: two NIXL agents in one process, descriptor
+lists prepared and READs posted as vLLM's worker does (see `scheme`).
 """
 
 from __future__ import annotations
@@ -60,13 +64,105 @@ def spec(model: Path, log: Path, core: int, port: int, role: str, pool_blocks: i
     )
 
 
+def scheme(args: argparse.Namespace) -> None:
+    """``--scheme``: gemma-3-1b's shapes (4 regions of 16 KiB pages, the connector's mirrored
+    host buffers), two NIXL agents in this process, descriptor lists prepared and READs
+    posted exactly as vLLM's worker does (one row per (region, block), region-major ids),
+    through `MergedReads` with and without merging, interleaved; post = the handle's
+    creation, wall = post + transfer + polls until DONE."""
+    import sys
+    import time
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_vllm import GEMMA3_1B, request_ids
+
+    from kvstage.integrations.vllm.reads import MergedReads
+    from kvstage.transport.nixl import _import_nixl, default_ucx_env
+
+    api = _import_nixl(default_ucx_env())
+    regions, nb, page = 4, args.scheme_blocks, 2 * 16 * 256 * 2
+
+    def side(name: str) -> tuple[Any, torch.Tensor, np.ndarray]:
+        agent = api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"],
+                                                            capture_telemetry=True))
+        buf = torch.randint(0, 256, (regions, nb, page), dtype=torch.uint8)
+        agent.register_memory(agent.get_reg_descs([(buf.data_ptr(), buf.nbytes, 0, "")],
+                                                  "DRAM"))
+        b = np.arange(regions * nb, dtype=np.uint64)
+        rows = np.stack([buf.data_ptr() + b * page, np.full_like(b, page),
+                         np.zeros_like(b)], axis=1)
+        return agent, buf, rows
+
+    (pa, pbuf, prows), (da, dbuf, drows) = side("bench-p"), side("bench-d")
+    da.add_remote_agent(pa.get_agent_metadata())
+    reads = MergedReads(da, merge=True).install()
+    lh = da.prep_xfer_dlist("NIXL_INIT_AGENT", da.get_xfer_descs(drows, "DRAM"))
+    rh = da.prep_xfer_dlist("bench-p", da.get_xfer_descs(prows, "DRAM"))
+
+    def ids(blocks: list[int]) -> np.ndarray:
+        b = np.asarray(blocks, dtype=np.int64)
+        return (np.arange(regions, dtype=np.int64)[:, None] * nb + b[None, :]).ravel()
+
+    print(f"gemma-3-1b shapes, {regions} regions x {nb} blocks x {page} B, median of "
+          f"{args.rounds} interleaved READs per row")
+    print("| tokens | decode ids | descriptors | handed to NIXL | NIXL descCount | post us "
+          "| wall us | xfer us | GB/s | bytes |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for tokens in args.scheme_tokens:
+        for frag in (False, True):
+            local = request_ids(GEMMA3_1B, tokens, nb, fragmented=frag)
+            remote = request_ids(GEMMA3_1B, tokens, nb, fragmented=False)
+            samples: dict[bool, list[tuple[int, int, int, int, int, int]]] = {True: [],
+                                                                               False: []}
+            for r in range(args.rounds + 2):
+                for merge in ((True, False) if r % 2 else (False, True)):
+                    reads.merge = merge
+                    dbuf.zero_()
+                    t0 = time.perf_counter_ns()
+                    h = da.make_prepped_xfer("READ", lh, ids(local), rh, ids(remote),
+                                             notif_msg=b"bench")
+                    da.transfer(h)
+                    while (st := da.check_xfer_state(h)) == "PROC":
+                        pass
+                    wall = time.perf_counter_ns() - t0
+                    assert st == "DONE"
+                    da.get_xfer_telemetry(h)
+                    da.release_xfer_handle(h)
+                    rec = reads.records[-1]
+                    ok = torch.equal(dbuf[:, local], pbuf[:, remote])
+                    if r >= 2:
+                        samples[merge].append((rec.descriptors, rec.nixl_descs, rec.post_ns,
+                                               wall, rec.xfer_us, int(ok)))
+            for merge in (True, False):
+                rows = samples[merge]
+
+                def med(i: int, rows: list[tuple[int, ...]] = rows) -> float:
+                    return statistics.median(x[i] for x in rows)
+
+                nbytes = regions * len(local) * page
+                print(f"| {tokens} | {'fragmented' if frag else 'fresh'} | "
+                      f"{'merged' if merge else 'per-block'} | {med(0):.0f} | {med(1):.0f} | "
+                      f"{med(2) / 1e3:.1f} | {med(3) / 1e3:.0f} | {med(4):.0f} | "
+                      f"{nbytes / max(med(4), 1) / 1e3:.2f} | "
+                      f"{'verified' if all(x[5] for x in rows) else 'WRONG'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 300])
     parser.add_argument("--pool-blocks", type=int, default=64)
     parser.add_argument("--logs", default=None, help="keep the engines' logs here")
+    parser.add_argument("--scheme", action="store_true",
+                        help="gemma-3-1b shapes, vLLM's descriptor scheme, no engines")
+    parser.add_argument("--scheme-tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--scheme-blocks", type=int, default=1024)
     args = parser.parse_args()
+    if args.scheme:
+        scheme(args)
+        return
     rng = random.Random(0)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(args.logs or tmp)

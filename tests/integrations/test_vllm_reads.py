@@ -40,6 +40,26 @@ def test_merge_descs_joins_only_what_continues_on_both_sides() -> None:
         merge_descs(local, remote[:3])
 
 
+def test_merge_prepared_equals_merge_descs_on_vllm_lists() -> None:
+    """The per-READ fast path gives `merge_descs`'s result on region-major lists."""
+    from kvstage.integrations.vllm.reads import _continues, _List, merge_prepared
+
+    rng = np.random.default_rng(0)
+    lists = []
+    for base in (1 << 20, 1 << 30):
+        b = np.arange(REGIONS * NB, dtype=np.uint64)
+        rows = np.stack([base + b * PAGE, np.full_like(b, PAGE), np.zeros_like(b)], axis=1)
+        lists.append(_List(rows, "DRAM", "x", _continues(rows)))
+    for _ in range(50):
+        n = int(rng.integers(1, NB))
+        local = np.sort(rng.choice(np.arange(1, NB), n, replace=False))
+        remote = np.arange(1, n + 1) if rng.random() < 0.5 else local[rng.permutation(n)]
+        lidx, ridx = _ids(local.tolist()), _ids(remote.tolist())
+        got = merge_prepared(lists[0], lidx, lists[1], ridx)
+        want = merge_descs(lists[0].rows[lidx], lists[1].rows[ridx])
+        assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+
+
 def test_install_refuses_non_bool_settings() -> None:
     with pytest.raises(ValueError, match="kvstage_merge_reads"):
         install_merged_reads(object(), {"kvstage_merge_reads": "no"}, None)  # type: ignore[arg-type]

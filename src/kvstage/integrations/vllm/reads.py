@@ -20,8 +20,9 @@ chain):
   not remembered, and READs over them are left as they are).
 - ``release_dlist_handle``: forgets the list.
 - ``make_prepped_xfer("READ", ...)`` over two remembered lists: the selected rows are
-  merged (`merge_descs`: a pair joins the previous one when it continues it in memory on
-  both sides) and posted with ``initialize_xfer`` over the merged lists, same notification
+  merged (`merge_prepared`: a pair joins the previous one when, on both sides, its row is
+  the next one in the list and continues it in memory; `merge_descs` is the general
+  rule) and posted with ``initialize_xfer`` over the merged lists, same notification
   (``notif_msg``, left as given: another wrapper may have sealed it). Errors propagate to
   vLLM's caller (its failure path). Anything else (another operation, ``backends``,
   unknown lists, ``merge=False``) is vLLM's call unchanged.
@@ -87,6 +88,37 @@ class _List:
     rows: np.ndarray  # [N, 3] uint64 (addr, len, device)
     mem_type: str
     agent: str  # "NIXL_INIT_AGENT" for ours, else the remote agent's name
+    #: [N] bool: row i + 1 starts where row i ends, on the same device (last: False)
+    continues: np.ndarray
+
+
+def _continues(rows: np.ndarray) -> np.ndarray:
+    out = np.zeros(rows.shape[0], dtype=bool)
+    out[:-1] = (rows[:-1, 0] + rows[:-1, 1] == rows[1:, 0]) & (rows[:-1, 2] == rows[1:, 2])
+    return out
+
+
+def merge_prepared(local: _List, lidx: np.ndarray, remote: _List, ridx: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """`merge_descs` of ``local.rows[lidx]`` / ``remote.rows[ridx]`` for pairs whose rows
+    are neighbours in their lists (vLLM's region-major lists: consecutive blocks of one
+    region), without gathering every row: the continuity of each list is computed once,
+    when it is prepared. Rows that continue each other in memory but not in the list stay
+    apart (fewer merges, the same bytes)."""
+    n = lidx.shape[0]
+    if n == 0:
+        return local.rows[:0], remote.rows[:0]
+    starts = np.ones(n, dtype=bool)
+    lprev, rprev = lidx[:-1], ridx[:-1]
+    starts[1:] = ~((lidx[1:] == lprev + 1) & (ridx[1:] == rprev + 1)
+                   & local.continues[lprev] & remote.continues[rprev])
+    first = np.flatnonzero(starts)
+    out = []
+    for lst, idx in ((local, lidx), (remote, ridx)):
+        merged = lst.rows[idx[first]]
+        merged[:, 1] = np.add.reduceat(lst.rows[idx, 1], first)
+        out.append(merged)
+    return out[0], out[1]
 
 
 @dataclass
@@ -149,7 +181,8 @@ class MergedReads:
         self._last_descs = None
         if rows is not None and mem_type is not None:
             agent = "NIXL_INIT_AGENT" if agent_name in ("", "NIXL_INIT_AGENT") else agent_name
-            lst = _List(np.ascontiguousarray(rows, dtype=np.uint64), mem_type, agent)
+            table = np.ascontiguousarray(rows, dtype=np.uint64)
+            lst = _List(table, mem_type, agent, _continues(table))
             self._lists[id(handle)] = (handle, lst)
         return handle
 
@@ -176,7 +209,7 @@ class MergedReads:
                 self._record(handle, notif_msg, len(lidx), len(lidx), start, False, lidx, ridx)
             return handle
         assert local is not None and remote is not None
-        lrows, rrows = merge_descs(local[1].rows[lidx], remote[1].rows[ridx])
+        lrows, rrows = merge_prepared(local[1], lidx, remote[1], ridx)
         to_list = self._orig["get_xfer_descs"]
         handle = self.agent.initialize_xfer(
             "READ", to_list(lrows, local[1].mem_type), to_list(rrows, remote[1].mem_type),
