@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from kvstage.bench.copy_bench import Bench, make_variant
 from kvstage.bench.report import (
     Column,
     cuda_peak_bytes,
@@ -14,24 +15,16 @@ from kvstage.bench.report import (
     print_table,
     profiler_counts,
 )
-from kvstage.cache import HostBuffer, HostLayout, KVCache
+from kvstage.cache import HostLayout
 from kvstage.engine import CopyEngine, Direction
-from kvstage.testing.baselines import BaselineEngine, make_engine
+from kvstage.testing.baselines import BaselineEngine
 from kvstage.testing.opcount import OpCounter
 
 if TYPE_CHECKING:
     import argparse
 
-    from kvstage.bench.copy import Bench
-
 # the ops both counters must agree on (profiler outermost aten ops vs OpCounter)
 COMPARED_OPS = ("copy_", "index", "index_put_", "index_select", "index_copy_")
-
-
-def make_variant(cache: KVCache, host: HostBuffer, strategy: str, max_temp_bytes: int,
-            mode: str) -> CopyEngine | BaselineEngine:
-    options: dict[str, Any] = {"max_temp_bytes": max_temp_bytes, "mode": mode}
-    return make_engine(cache, host, strategy, **(options if strategy == "fused" else {}))
 
 
 # -- op counts and memory -------------------------------------------------------------

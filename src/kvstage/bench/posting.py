@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvstage.bench.report import Column, ratio
+from kvstage.bench.transfer_bench import NOTIF, READ_TIMEOUT_S, Bench
 from kvstage.blocks import GroupedBlockIds
 from kvstage.pd.reads import blocks
 from kvstage.testing.pattern import verify_request
 from kvstage.transport.base import TransferState, validate_descs, validate_read, wait
-
-if TYPE_CHECKING:
-    from kvstage.bench.transfer import Bench
-
-NOTIF = b"kvstage-bench-transfer"
-READ_TIMEOUT_S = 30.0
 
 
 def posting(bench: Bench, mode: str, runs: np.ndarray, local_ids: list[list[int]],
