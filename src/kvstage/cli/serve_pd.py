@@ -61,13 +61,16 @@ def _port(text: str) -> int:
 
 
 def _log_dir(text: str) -> str:
-    path = Path(text)
+    """A directory to write logs into (created at start, with missing parents)."""
+    path = Path(text).absolute()
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"--log-dir {text!r} exists and is not a directory")
-    parent = path if path.exists() else path.parent
-    if not os.access(parent if str(parent) else ".", os.W_OK):
-        raise argparse.ArgumentTypeError(f"cannot write logs under {text!r} (permission "
-                                         "denied)")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot create or write logs under {text!r} "
+                                         f"({existing} is not a writable directory)")
     return text
 
 
@@ -114,7 +117,12 @@ def run(args: argparse.Namespace) -> int:
     base = ENGINE_DEFAULTS[args.engine_defaults]
     engine_args = EngineArgs(**{**base.__dict__, "extra": (*base.extra, *extra)})
     if args.log_dir:
-        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(f"kvstage serve-pd: cannot create --log-dir {args.log_dir!r} "
+                  f"({exc.strerror}); give a writable directory", file=sys.stderr)
+            return 2
     device = default_device() if args.device == "auto" else args.device
     cluster = PDCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                         connector=args.connector,
