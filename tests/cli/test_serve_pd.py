@@ -95,11 +95,11 @@ def test_cluster_command_lines(tmp_path: Path) -> None:
         assert " ".join(TINY_CPU_ENGINE_ARGS.argv()) in " ".join(argv)
 
 
-def test_cuda_config_has_no_forced_host_buffer() -> None:
+def test_cuda_config_is_the_host_path_unforced() -> None:
     cfg = connector_config("kvstage", "kv_consumer", device="cuda", policy="fail")
     assert cfg == {"kv_connector": "KVStageConnector",
                    "kv_connector_module_path": "kvstage.integrations.vllm",
-                   "kv_role": "kv_consumer", "kv_buffer_device": "cuda",
+                   "kv_role": "kv_consumer", "kv_buffer_device": "cpu",
                    "kv_load_failure_policy": "fail"}
     assert connector_config("none", "kv_both", device="cpu", policy="fail") is None
 

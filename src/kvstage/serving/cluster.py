@@ -11,8 +11,8 @@ Contract:
   (`split_cores`; on 2 cores prefills share core 0, decodes core 1), each pinned with
   ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; the connector's host path is forced
   on (``kvstage_force_host_buffer``, ``kv_buffer_device: cpu``). CUDA (``device="cuda"``):
-  each api_server gets one GPU of ``CUDA_VISIBLE_DEVICES`` (distinct while they last), no
-  host buffer forced.
+  each api_server gets one GPU of ``CUDA_VISIBLE_DEVICES`` (distinct while they last); the
+  host path is vLLM's own there (``kv_buffer_device: cpu``), nothing forced.
 - ``connector``: "kvstage" (KVStageConnector), "nixl" (vLLM's NixlConnector; on CPU its
   host path via kvstage.testing.vllm_baseline, for comparisons only) or "none" (plain
   engines; `single_instance` is the one-engine case).
@@ -95,7 +95,8 @@ def connector_config(connector: str, role: str, *, device: str, policy: str,
         cls = KVSTAGE_CONNECTOR if connector == "kvstage" else VLLM_HOST_PATH_CONNECTOR
         cfg = kv_transfer_config(cls, role, **(extra or {}))
     else:
-        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cuda"}
+        # the host path on GPUs too: KV staged through pinned host memory (what kvstage is)
+        cfg = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
         if connector == "kvstage":
             cfg["kv_connector"], cfg["kv_connector_module_path"] = KVSTAGE_CONNECTOR
         if extra:
