@@ -17,6 +17,7 @@ and vllm-router into .venv-vllm; elsewhere the module is skipped.
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,19 @@ def _mismatches(expected: list[list[int]], results: list[Result]) -> list[str]:
             if r.token_ids != e]
 
 
+def _served_since(before: dict[str, float], instances: list[Instance], *,
+                  expect: int) -> dict[str, int]:
+    """Requests each instance finished since ``before``; polled (bounded) until ``expect``
+    in all, as vLLM may count a request just after its response went out."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        served = {i.name: int(metric_total(i.url, REQUESTS) - before[i.name])
+                  for i in instances}
+        if sum(served.values()) >= expect or time.monotonic() > deadline:
+            return served
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize(("topology", "prefills", "decodes"), [
     ("1P1D", [0], [0]),
     ("2P1D", [0, 1], [0]),
@@ -119,8 +133,7 @@ def test_router_completions_equal_single_engine(
     assert all(len(r.token_ids or []) == MAX_TOKENS for r in results)
     wrong = _mismatches(reference, results)
     assert not wrong, f"{topology}: {len(wrong)}/{len(PROMPTS)} differ:\n" + "\n".join(wrong)
-    served = {i.name: int(metric_total(i.url, REQUESTS) - before[i.name])
-              for i in cluster.instances}
+    served = _served_since(before, cluster.instances, expect=2 * len(PROMPTS))
     # every request went through exactly one prefill and one decode of this topology...
     assert sum(served[p.name] for p in ps) == len(PROMPTS), served
     assert sum(served[d.name] for d in ds) == len(PROMPTS), served
