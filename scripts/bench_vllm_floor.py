@@ -9,6 +9,9 @@ copy --floor``). Steps, per direction:
 
 - ``connector``: the op the connector installs as ``copy_blocks`` (`EngineCopyOp`: trusted
   ids -> plan -> CopyEngine.run), called as vLLM calls it;
+- ``copy_runs``: `CopyEngine.copy_runs` of the runs (the op minus ``runs_of_ids`` and its
+  checks);
+- ``views + copy``: the runs' ``copy_`` calls through views made at call time;
 - ``copies alone``: the same runs' ``copy_`` calls between views sliced beforehand;
 - ``before`` (with ``--baseline-src DIR``): the earlier connector's ``BlockCopier`` from
   ``DIR/kvstage/integrations/vllm/host_buffers.py`` (e.g. ``git worktree add /tmp/kv-before
@@ -37,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_vllm import GEMMA3_1B, connector_op, vllm_device_caches  # noqa: E402
 
 from kvstage.bench.report import make_timer, time_interleaved  # noqa: E402
+from kvstage.engine import Direction  # noqa: E402
 from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
 
 
@@ -87,8 +91,18 @@ def measure(n: int, iters: int, warmup: int, copier_cls: Any) -> list[dict[str, 
             for d, s in pairs:
                 d.copy_(s)
 
+        how = Direction.H2D if direction == "h2d" else Direction.D2H
+
+        def views_copy(direction: str = direction) -> None:
+            for dev_v, hst_v, dim in eng._pairs:
+                for s, k in runs:
+                    d, h = dev_v.narrow(dim, s, k), hst_v.narrow(dim, s, k)
+                    (d.copy_(h) if direction == "h2d" else h.copy_(d))
+
         fns: dict[str, Callable[[], Any]] = {
             "connector": lambda src=src, dst=dst, d=direction: op(src, dst, ids, ids, d),
+            "copy_runs": lambda how=how: eng.copy_runs([(s, s, k) for s, k in runs], how),
+            "views + copy": views_copy,
             "copies alone": copies,
         }
         if copier_cls is not None:
@@ -129,13 +143,14 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for n in args.ids:
         rows += measure(n, args.iters, args.warmup, copier_cls)
-    cols = ["ids", "dir", "runs", "MiB", "connector", "copies alone", "ratio"]
+    cols = ["ids", "dir", "runs", "MiB", "connector", "copy_runs", "views + copy",
+            "copies alone", "ratio"]
     if copier_cls is not None:
         cols += ["before", "before ratio"]
     print(f"torch {torch.__version__}, {args.threads} thread(s), median us of {args.iters} "
           "interleaved rounds")
-    print("| " + " | ".join(c + (" us" if c in ("connector", "copies alone", "before") else "")
-                            for c in cols) + " |")
+    timed = ("connector", "copy_runs", "views + copy", "copies alone", "before")
+    print("| " + " | ".join(c + (" us" if c in timed else "") for c in cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         cells = []
