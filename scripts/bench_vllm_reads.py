@@ -56,7 +56,7 @@ READ = re.compile(
 def spec(model: Path, log: Path, core: int, port: int, role: str, pool_blocks: int = 0,
          **extra: Any) -> EngineSpec:
     return EngineSpec(
-        model=str(model), log_path=str(log), max_model_len=512, max_num_batched_tokens=512,
+        model=str(model), log_path=str(log), max_model_len=512, max_num_batched_tokens=120,
         block_size=32, cpu_core=core, env=side_channel_env(port),
         kv_transfer_config=kv_transfer_config(KVSTAGE_CONNECTOR, role, kvstage_log_reads=True,
                                               **extra),
