@@ -223,9 +223,8 @@ class PDCluster:
             self.log_dir = tempfile.mkdtemp(prefix="kvstage-serve-")
         log_dir = Path(self.log_dir)
         n = self.num_prefill + self.num_decode
-        ports = free_ports(2 * n + 2)
-        http, side = ports[:n], ports[n:2 * n]
-        self._router_ports = (self.router_port or ports[2 * n], ports[2 * n + 1])
+        ports = free_ports(2 * n)
+        http, side = ports[:n], ports[n:]
         cores = split_cores(sorted(os.sched_getaffinity(0)), self.num_prefill, self.num_decode)
         gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
         for i in range(n):
@@ -258,8 +257,7 @@ class PDCluster:
                 inst.spawn()
             for inst in self.instances:
                 inst.wait_ready(self.start_timeout)
-            self.router = self.start_router(port=self._router_ports[0],
-                                            metrics_port=self._router_ports[1])
+            self.router = self.start_router(port=self.router_port)
         except BaseException:
             self.stop()
             raise
@@ -269,18 +267,29 @@ class PDCluster:
                      decodes: list[Instance] | None = None, *, port: int | None = None,
                      metrics_port: int | None = None, timeout: float = 90.0) -> Instance:
         """Start one more vllm-router over a subset of the instances (default: all), e.g.
-        a 1P1D view of a 2P2D cluster; it stops with the cluster."""
-        if port is None or metrics_port is None:
-            port, metrics_port = free_ports(2)
-        router = router_instance(
-            self.prefills if prefills is None else prefills,
-            self.decodes if decodes is None else decodes, port=port,
-            metrics_port=metrics_port, log_dir=Path(str(self.log_dir)),
-            policy=self.router_policy, extra=self.router_args)
-        router.name = f"router{len(self._routers)}" if self._routers else "router"
-        router.log_path = router.log_path.with_name(f"{router.name}.log")
-        self._routers.append(router)
-        return router.start(timeout=timeout)
+        a 1P1D view of a 2P2D cluster; it stops with the cluster.
+
+        Ports it picks itself are taken right before the start, and a router that exits
+        before it is ready is started once more on fresh ones (seen once on this shared
+        machine: rc 1 with nothing in its log, after its workers were found healthy)."""
+        attempts = 1 if port is not None and metrics_port is not None else 2
+        for attempt in range(attempts):
+            ports = free_ports(2)
+            router = router_instance(
+                self.prefills if prefills is None else prefills,
+                self.decodes if decodes is None else decodes,
+                port=port or ports[0], metrics_port=metrics_port or ports[1],
+                log_dir=Path(str(self.log_dir)), policy=self.router_policy,
+                extra=self.router_args)
+            router.name = f"router{len(self._routers)}" if self._routers else "router"
+            router.log_path = router.log_path.with_name(f"{router.name}.log")
+            self._routers.append(router)
+            try:
+                return router.start(timeout=timeout)
+            except ServingError:
+                if attempt + 1 == attempts:
+                    raise
+        raise AssertionError("unreachable")
 
     def stop(self) -> None:
         """Routers first (no new work), then every api_server; each bounded."""

@@ -134,6 +134,7 @@ def test_router_completions_equal_single_engine(
     wrong = _mismatches(reference, results)
     assert not wrong, f"{topology}: {len(wrong)}/{len(PROMPTS)} differ:\n" + "\n".join(wrong)
     served = _served_since(before, cluster.instances, expect=2 * len(PROMPTS))
+    print(f"{topology}: requests served per instance {served}")  # shown with -rP
     # every request went through exactly one prefill and one decode of this topology...
     assert sum(served[p.name] for p in ps) == len(PROMPTS), served
     assert sum(served[d.name] for d in ds) == len(PROMPTS), served
