@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvstage.bench.copy_bench import Bench
-from kvstage.bench.copy_cases import build_cases
+from kvstage.bench.copy_cases import build_cases, case_sizes
 from kvstage.bench.copy_counts import count_ops, measure_memory, print_count_tables
 from kvstage.bench.floor import DEFAULT_IDS as DEFAULT_FLOOR_IDS
 from kvstage.bench.floor import run_floor
@@ -35,6 +36,8 @@ from kvstage.bench.report import (
     write_json,
 )
 from kvstage.cache import HostLayout
+from kvstage.cli import memory
+from kvstage.cli.args import number
 from kvstage.engine import Direction
 from kvstage.layout import cdiv
 from kvstage.plan import DEFAULT_MAX_TEMP_BYTES, plan_copy
@@ -43,6 +46,8 @@ from kvstage.presets import PRESETS, preset
 STRATEGIES = ("per_group", "coalesced", "fused")
 DEFAULT_GROUPS = [1, 2, 3, 6]
 DEFAULT_PROMPTS = [512, 2048, 8192]
+MAX_LAYERS = 4096
+MAX_FLOOR_IDS = 1 << 20  # the floor builds Python lists of the ids: bounded here
 
 
 def _positive_int(text: str) -> int:
@@ -55,11 +60,24 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_upto(high: int) -> Callable[[str], int]:
+    """`_positive_int` with a ceiling (sizes that are not bytes, so the memory check does
+    not bound them: layers, iterations, threads)."""
+
+    def parse(text: str) -> int:
+        value = _positive_int(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
-    a("--num-layers", type=_positive_int, nargs="+", default=None, help="default 16")
+    a("--num-layers", type=_positive_upto(MAX_LAYERS), nargs="+", default=None, help="default 16")
     a("--blocks-per-request", type=_positive_int, default=6, help="default 6 (PR regime)")
-    a("--groups", type=_positive_int, nargs="+", default=None, help="default 1 2 3 6")
+    a("--groups", type=_positive_upto(MAX_LAYERS), nargs="+", default=None, help="default 1 2 3 6")
     a("--direction", choices=("h2d", "d2h", "both"), default="both")
     a("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
     a("--ids", choices=("contiguous", "scattered"), default="contiguous",
@@ -72,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--fused-mode", choices=("auto", "direct", "staged"), default="auto")
     a("--max-temp-bytes", type=_positive_int, default=DEFAULT_MAX_TEMP_BYTES)
     a("--num-blocks", type=_positive_int, default=None, help="pool size (default: auto)")
-    a("--iters", type=_positive_int, default=None, help="timed iterations (default 200)")
-    a("--warmup", type=int, default=None, help="untimed iterations first (default 20)")
+    a("--iters", type=_positive_upto(10**6), default=None, help="timed iterations (default 200)")
+    a("--warmup", type=number(int, "--warmup", inclusive=True, high=10**6), default=None,
+      help="untimed iterations first (default 20)")
     a("--op-counts", action="store_true", help="device ops per request: profiler + OpCounter")
     a("--memory", action="store_true", help="peak temporary bytes per strategy")
     a("--no-timing", action="store_true", help="only op counts / memory")
@@ -82,13 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--plot", default=None, metavar="PATH.png")
     a("--markdown", action="store_true", help="print tables as GitHub markdown")
     a("--quick", action="store_true", help="a few seconds: CI smoke and demo")
-    a("--seed", type=int, default=0)
-    a("--threads", type=_positive_int, default=None,
+    a("--seed", type=number(int, "--seed", inclusive=True), default=0)
+    a("--threads", type=_positive_upto(1024), default=None,
       help="torch intra-op threads (default: torch's; 1 with --quick); 1 is steadier "
       "on a shared machine")
     a("--floor", action="store_true",
       help="per-request CPU floor instead: validate, plan, copy steps (bench/floor.py)")
-    a("--floor-ids", type=_positive_int, nargs="+", default=None,
+    a("--floor-ids", type=_positive_upto(MAX_FLOOR_IDS), nargs="+", default=None,
       help=f"ids per request for --floor (default {' '.join(map(str, DEFAULT_FLOOR_IDS))})")
     a("--baseline-src", default=None, metavar="DIR",
       help="with --floor: also time the kvstage package under DIR (an older checkout)")
@@ -122,8 +141,6 @@ def _resolve(args: argparse.Namespace) -> None:
                     err(f"--groups {g} exceeds --num-layers {n}: a group needs >= 1 layer")
     args.iters = args.iters or (10 if args.quick else 200)
     args.warmup = (2 if args.quick else 20) if args.warmup is None else args.warmup
-    if args.warmup < 0:
-        err(f"--warmup must be >= 0, got {args.warmup}")
     if args.plot and not args.plot.endswith(".png"):
         err(f"--plot writes a PNG; give a path ending in .png, got {args.plot!r}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -132,6 +149,34 @@ def _resolve(args: argparse.Namespace) -> None:
     if args.num_blocks is not None and not args.preset and args.num_blocks <= b:
         err(f"--num-blocks {args.num_blocks} must exceed --blocks-per-request "
             f"{args.blocks_per_request} (block 0 is the null block)")
+    try:
+        _check_memory(args)
+    except argparse.ArgumentTypeError as exc:
+        err(str(exc))
+
+
+def _check_memory(args: argparse.Namespace) -> None:
+    """Refuse (ArgumentTypeError) a run whose largest case would not fit in free memory,
+    before any case is built. A case holds its device pool and the memcpy reference on
+    the device, and per host layout a host buffer, plus the memcpy reference, verify's
+    two copies of the request and a staged chunk on the host."""
+    hosts = len(set(args.host_layout))
+    need = []
+    for layout, blocks in case_sizes(args):
+        req = blocks * layout.block_bytes
+        device = layout.pool_bytes + req
+        host = hosts * layout.pool_bytes + 3 * req + min(args.max_temp_bytes, req)
+        need.append((host + (device if args.device == "cpu" else 0), host, device, layout))
+    _total, host, device, layout = max(need, key=lambda n: n[0])
+    if args.preset:
+        what = (f"--prompt-tokens {max(args.prompt_tokens)} ({args.preset}, a "
+                f"{layout.num_blocks}-block pool)")
+        fix = "lower --prompt-tokens (or --num-blocks)"
+    else:
+        what = (f"--blocks-per-request {args.blocks_per_request} (a {layout.num_blocks}-block "
+                f"pool of {layout.num_layers} layers)")
+        fix = "lower --blocks-per-request, --num-layers or --num-blocks"
+    memory.check_fits(what, host, fix, device=args.device, device_bytes=device)
 
 
 def time_case(bench: Bench, direction: Direction, args: argparse.Namespace) -> list[dict[str, Any]]:

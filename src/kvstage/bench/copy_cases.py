@@ -44,11 +44,40 @@ def _split(ids: list[int], sizes: list[int]) -> list[list[int]]:
     return [ids[bounds[g] : bounds[g + 1]] for g in range(len(sizes))]
 
 
+def synthetic_num_blocks(args: argparse.Namespace) -> int:
+    """The pool of a synthetic case: ``--num-blocks``, else room for the request's ids
+    and a churned pool's scatter."""
+    b = args.blocks_per_request
+    return int(args.num_blocks or (max(32, 2 * b + 1) if args.quick else max(256, 4 * b + 1)))
+
+
+def prompt_layout(args: argparse.Namespace, tokens: int) -> KVLayout:
+    """The preset at the pool of a ``tokens`` prompt case: ``--num-blocks``, else every
+    group's full allocation before sliding-window clipping, plus the null block."""
+    probe = preset(args.preset, num_blocks=2)
+    full = cdiv(tokens, probe.spec.block_size)
+    return preset(args.preset, num_blocks=args.num_blocks or probe.num_groups * full + 1)
+
+
+def case_sizes(args: argparse.Namespace) -> list[tuple[KVLayout, int]]:
+    """(layout, blocks in the request) of every case, without building any (no pool, no
+    churn): what `kvstage bench copy` checks against the free memory first."""
+    if args.preset:
+        out = []
+        for tokens in args.prompt_tokens:
+            layout = prompt_layout(args, tokens)
+            out.append((layout, sum(request_blocks(layout, tokens))))
+        return out
+    num_blocks = synthetic_num_blocks(args)
+    return [(synthetic_layout(num_layers=n, num_groups=g, num_blocks=num_blocks),
+             args.blocks_per_request) for n in args.num_layers for g in args.groups]
+
+
 def build_cases(args: argparse.Namespace) -> list[Case]:
     if args.preset:
         return [_prompt_case(args, tokens) for tokens in args.prompt_tokens]
     b = args.blocks_per_request
-    num_blocks = args.num_blocks or (max(32, 2 * b + 1) if args.quick else max(256, 4 * b + 1))
+    num_blocks = synthetic_num_blocks(args)
     cases = []
     for num_layers in args.num_layers:
         for g in args.groups:
@@ -68,10 +97,9 @@ def _prompt_case(args: argparse.Namespace, tokens: int) -> Case:
     """A prompt's ids as vLLM holds them: every group allocates cdiv(tokens, block_size)
     blocks group by group, then sliding-window groups keep their window (clip_to_window)
     and free the rest."""
-    probe = preset(args.preset, num_blocks=2)
-    full = cdiv(tokens, probe.spec.block_size)
-    num_blocks = args.num_blocks or probe.num_groups * full + 1
-    layout = preset(args.preset, num_blocks=num_blocks)
+    layout = prompt_layout(args, tokens)
+    num_blocks = layout.num_blocks
+    full = cdiv(tokens, layout.spec.block_size)
     scattered = args.ids == "scattered"
     pool = _churned_pool(num_blocks, args.seed) if scattered else BlockPool(num_blocks)
     allocated = [pool.allocate(full) for _ in layout.groups]

@@ -26,6 +26,10 @@ from typing import Any
 
 from kvstage.bench import chunked
 from kvstage.bench.report import Column, machine_info, plot_lines, print_table, write_json
+from kvstage.blocks import request_blocks
+from kvstage.cli import memory
+from kvstage.cli.args import positive
+from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
 from kvstage.pd.side_channel import SideChannelClient
@@ -34,6 +38,10 @@ from kvstage.presets import preset
 MODES = ("sequential", "pipelined", "pipelined+checksum")
 DEFAULT_SIZES_MIB = (8, 16, 32, 64, 128)
 LEASE_S = 600.0
+MAX_SIZE_MIB = 1 << 16  # 64 GiB: the memory check refuses far less on most machines
+#: pools alive at once at the peak: two prefill children and the decode, a device pool
+#: and a host buffer each (stopped before the incremental saves, which hold two)
+POOLS = 6
 COLUMNS = [
     Column("mib", "MiB", "{:.0f}"),
     Column("chunks", "chunks"),
@@ -53,7 +61,8 @@ COLUMNS = [
 def add_arguments(a: Any) -> None:
     a("--pipeline", action="store_true",
       help="measure the decode pipeline instead (sizes: --sizes-mib; see bench/pipeline.py)")
-    a("--sizes-mib", type=int, nargs="+", default=list(DEFAULT_SIZES_MIB),
+    a("--sizes-mib", type=positive(int, "--sizes-mib", high=MAX_SIZE_MIB), nargs="+",
+      default=list(DEFAULT_SIZES_MIB),
       help="--pipeline: request sizes in MiB (whole blocks of the preset)")
     a("--plot", default=None, metavar="PATH.png", help="--pipeline: write the plot here")
     a("--device", default="cpu", help="--pipeline: decode's device (cuda: copy stream)")
@@ -80,17 +89,43 @@ def _one(decode: DecodeWorker, client: SideChannelClient, addr: tuple[str, int],
     return done, res
 
 
+def pool_blocks(layout: KVLayout, blocks: int) -> int:
+    """Blocks a request of ``blocks`` blocks per group needs in a pool: the prefill's
+    request (every group, sliding windows clipped) or the incremental saves (``blocks``
+    in every group), whichever is more, plus the null block."""
+    tokens = blocks * layout.groups[0].spec.block_size
+    return max(sum(request_blocks(layout, tokens)), layout.num_groups * blocks) + 1
+
+
+def resolve(args: argparse.Namespace) -> tuple[KVLayout, dict[int, int]]:
+    """The layout and {MiB: blocks per group} of a ``--pipeline`` run, checked before
+    anything starts (ArgumentTypeError: one line, exit 2). Without ``--num-blocks`` the
+    pool is sized from the largest size; with it, a pool too small is refused. The
+    pools must fit in the free memory (`memory.check_fits`)."""
+    probe = preset(args.preset, num_blocks=2)
+    blocks = {s: max(1, (s << 20) // probe.block_bytes) for s in sorted(set(args.sizes_mib))}
+    top = max(blocks)
+    need = pool_blocks(probe, blocks[top])
+    if args.num_blocks is not None and args.num_blocks < need:
+        raise argparse.ArgumentTypeError(
+            f"--sizes-mib {top} needs a pool of {need} {args.preset} blocks "
+            f"({probe.block_bytes} bytes each, every group and the incremental saves), got "
+            f"--num-blocks {args.num_blocks}; raise --num-blocks or leave it out")
+    lay = preset(args.preset, num_blocks=args.num_blocks or need)
+    memory.check_fits(
+        f"--sizes-mib {top} ({args.preset}, {lay.num_blocks}-block pools, {POOLS} of them "
+        f"with their host buffers)", POOLS * lay.pool_bytes,
+        "lower --sizes-mib or --num-blocks", device=args.device, device_bytes=0)
+    return lay, blocks
+
+
 def run(args: argparse.Namespace) -> int:
     from kvstage.testing.servers import PrefillProcess, make_decode  # children: only when run
 
     iters = 3 if args.quick else (args.iters or 7)
     warmup = 1 if args.quick else (2 if args.warmup is None else args.warmup)
-    lay = preset(args.preset, num_blocks=args.num_blocks)
-    sizes = sorted(set(args.sizes_mib))
-    blocks = {s: max(1, (s << 20) // lay.block_bytes) for s in sizes}
-    if max(blocks.values()) >= lay.num_blocks:
-        raise SystemExit(f"--sizes-mib {max(sizes)} needs more than --num-blocks "
-                         f"{lay.num_blocks} blocks of {lay.block_bytes} bytes")
+    lay, blocks = resolve(args)
+    sizes = sorted(blocks)
     plain = PrefillProcess(lay, transport="nixl", lease_s=LEASE_S)
     hashing = PrefillProcess(lay, transport="nixl", lease_s=LEASE_S, verify_checksum=True)
     rows: list[dict[str, Any]] = []
@@ -115,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
                                    tokens, mode)
                         if it >= warmup:
                             got[mode].append(out)
-                rows.append(_row(size, lay.block_bytes * blocks[size], got))
+                # the bytes the request moves: every group's blocks, windows clipped
+                nbytes = lay.block_bytes * sum(request_blocks(lay, tokens))
+                rows.append(_row(size, nbytes, got))
                 print(f"  {size} MiB done", file=sys.stderr, flush=True)
     finally:
         plain.stop()

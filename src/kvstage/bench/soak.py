@@ -65,6 +65,7 @@ from kvstage.bench.workloads import (
     rss_bytes,
 )
 from kvstage.blocks import request_blocks
+from kvstage.cli import memory
 from kvstage.cli.args import add_json_argument, fraction, number, positive
 from kvstage.errors import (
     PeerError,
@@ -377,6 +378,11 @@ def run(args: argparse.Namespace) -> int:
             print("kvstage bench soak: --transport nixl needs NIXL: pip install "
                   "'kvstage[nixl]' (or use --transport loopback)", file=sys.stderr)
             return 2
+    pairs = len(args.presets) + 1  # one per preset and the faulty pair
+    memory.check_fits(  # a refusal is one line, exit 2 (kvstage.cli.main)
+        f"--pool-mib {args.pool_mib} ({pairs} pairs of prefill and decode, each side a "
+        f"device pool and a host buffer)", 4 * pairs * (args.pool_mib << 20),
+        "lower --pool-mib or pass fewer --presets")
     rep = execute(args)
     wall = rep.pop("wall_s")
     print_report(rep, args, wall)

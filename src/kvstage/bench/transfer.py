@@ -37,46 +37,44 @@ from kvstage.bench.transfer_bench import BENCH_LEASE_S, METHODS, Bench
 from kvstage.blocks import BlockPool, request_blocks
 from kvstage.cache import HostLayout
 from kvstage.cli import args as cli_args
-from kvstage.cli import net
+from kvstage.cli import memory, net
+from kvstage.cli.args import number, positive
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import pair_runs
-from kvstage.pd.side_channel import parse_address
-from kvstage.presets import PRESETS
+from kvstage.presets import PRESETS, preset
 
 ID_MODES = ("contiguous", "scattered")
 SEEDS = {"contiguous": 101, "scattered": 202}
 # churn: fill the pool with small allocations, then free this fraction in random order
 CHURN_FREE = 0.55
 CHURN_TOKENS = (16, 160)  # prefill churn requests: 1..10 blocks per group
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
-    return value
+DEFAULT_NUM_BLOCKS = 2048
+MAX_TOKENS = 1 << 24  # as `kvstage decode`; the pool check refuses far less
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--preset", choices=sorted(PRESETS), default="gemma-3-1b")
-    a("--tokens", type=_positive_int, default=8192, help="prompt length (default 8192)")
-    a("--num-blocks", type=_positive_int, default=2048,
-      help="pool size on both sides (default 2048: room for the request and the churn)")
+    a("--tokens", type=positive(int, "--tokens", high=MAX_TOKENS), default=8192,
+      help="prompt length (default 8192)")
+    a("--num-blocks", type=number(int, "--num-blocks", low=2, inclusive=True), default=None,
+      help=f"pool size on both sides (default {DEFAULT_NUM_BLOCKS}: room for the request "
+      "and the churn; with --pipeline: sized from the largest --sizes-mib)")
     a("--ids", choices=(*ID_MODES, "both"), default="both")
-    a("--iters", type=_positive_int, default=None, help="timed iterations (default 30)")
-    a("--warmup", type=int, default=None, help="untimed iterations first (default 5)")
+    a("--iters", type=positive(int, "--iters", high=10**6), default=None,
+      help="timed iterations (default 30)")
+    a("--warmup", type=number(int, "--warmup", inclusive=True, high=10**6), default=None,
+      help="untimed iterations first (default 5)")
     a("--json", default=None, metavar="PATH")
     a("--markdown", action="store_true", help="print the table as GitHub markdown")
     a("--quick", action="store_true", help="3 iterations, 1 warm-up: CI smoke")
-    a("--seed", type=int, default=0, help="churn randomness")
+    a("--seed", type=number(int, "--seed", inclusive=True), default=0, help="churn randomness")
     a("--listen", default=None, metavar="HOST:PORT",
+      type=cli_args.address("--listen", listen=True),
       help="serve the prefill side here until stopped (run --connect on the other host)")
     a("--connect", default=None, metavar="HOST:PORT",
+      type=cli_args.address("--connect", listen=False),
       help="measure against a `bench transfer --listen` prefill there, not a local child")
     cli_args.add_ucx_arguments(parser)
     cli_args.add_auth_arguments(parser)
@@ -176,6 +174,24 @@ COLUMNS = [
 ]
 
 
+def check_sizes(args: argparse.Namespace) -> None:
+    """Refuse (ArgumentTypeError: one line, exit 2) a request the pool cannot hold, and
+    pools that do not fit in the free memory: this process's cache and host buffer, and
+    the local prefill child's (without --connect), before anything is allocated."""
+    lay = preset(args.preset, num_blocks=args.num_blocks)
+    need = sum(request_blocks(lay, args.tokens)) + 1
+    if need > lay.num_blocks:
+        raise argparse.ArgumentTypeError(
+            f"--tokens {args.tokens} needs {need} {args.preset} blocks (every group, the null "
+            f"block), more than --num-blocks {args.num_blocks}; lower --tokens or raise "
+            "--num-blocks")
+    pools = 2 if args.connect else 4
+    memory.check_fits(
+        f"--num-blocks {args.num_blocks} ({args.preset}, {memory.gib(lay.pool_bytes)} per "
+        f"pool, {pools} pools {'here' if args.connect else 'here and in the prefill child'})",
+        pools * lay.pool_bytes, "lower --num-blocks")
+
+
 def _serve(args: argparse.Namespace) -> int:
     """``--listen``: the prefill role with the bench's layout and a lease that outlives it."""
     from kvstage.cli import prefill
@@ -196,21 +212,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     if args.listen and args.connect:
-        raise SystemExit("--listen serves the prefill side and --connect measures against "
-                         "one: pass one of them (or neither, for a local child)")
+        raise argparse.ArgumentTypeError(
+            "--listen serves the prefill side and --connect measures against one: pass one "
+            "of them (or neither, for a local child)")
     args.transport = "nixl"  # cli_args.setup_ucx reads it
     if args.pipeline:
         return pipeline.run(args)
+    args.num_blocks = args.num_blocks or DEFAULT_NUM_BLOCKS
     if args.listen:
-        parse_address(args.listen)
         return _serve(args)
+    check_sizes(args)
     if args.quick:
         args.iters = args.iters or 3
         args.warmup = 1 if args.warmup is None else args.warmup
     args.iters = args.iters or 30
     args.warmup = 5 if args.warmup is None else args.warmup
-    if args.warmup < 0:
-        raise SystemExit("--warmup must be >= 0")
     modes = list(ID_MODES) if args.ids == "both" else [args.ids]
     try:
         bench = Bench(args)

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # (command path, module, help)
 COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
@@ -26,8 +27,16 @@ COMMANDS: list[tuple[tuple[str, ...], str, str]] = [
 ]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (exit 2): what was wrong, and where
+    the usage is, instead of a usage block a careless value gets lost in."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstage", description=__doc__)
+    parser: argparse.ArgumentParser = OneLineParser(prog="kvstage", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
     for path, module_name, help_text in COMMANDS:
@@ -40,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                 groups[path[0]] = g.add_subparsers(dest="subcommand", required=True)
             p = groups[path[0]].add_parser(path[1], help=help_text, description=help_text)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _prog=p.prog)
     return parser
 
 
@@ -49,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except argparse.ArgumentTypeError as exc:  # a value refused after parsing (sizes, keys)
+        print(f"{args._prog}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -15,8 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstage.cache import HostLayout
+from kvstage.cli import memory
 from kvstage.layout import KVLayout
 from kvstage.pd import auth
+from kvstage.pd.side_channel import parse_address
 from kvstage.presets import PRESETS, preset
 from kvstage.transport import TRANSPORTS, ucx_env
 
@@ -59,6 +61,25 @@ def fraction(name: str) -> Callable[[str], float]:
     return number(float, name, low=0.0, inclusive=True, high=1.0)
 
 
+def address(name: str, *, listen: bool) -> Callable[[str], str]:
+    """An argparse type for ``HOST:PORT`` (`parse_address`'s rules: a port 0-65535, no
+    IPv6, no blanks); port 0 (any free port) only where the command listens. Returns the
+    text unchanged."""
+
+    def parse(text: str) -> str:
+        try:
+            _host, port = parse_address(text)
+        except ValueError as exc:  # InvalidRequest: one line, exit 2
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if port == 0 and not listen:
+            raise argparse.ArgumentTypeError(
+                f"{name} needs the peer's port (port 0 means 'any free port' and only works "
+                f"where the command listens), got {text!r}")
+        return text
+
+    return parse
+
+
 def writable_path(suffix: str | None = None) -> Callable[[str], str]:
     """An output path whose folder exists and is writable (checked before the run)."""
 
@@ -92,8 +113,9 @@ def add_layout_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def layout_from_args(args: argparse.Namespace) -> KVLayout:
-    """The preset at ``--num-blocks``; a pool over `MAX_POOL_BYTES` is refused (exit 2)
-    before anything is allocated."""
+    """The preset at ``--num-blocks``; a pool over `MAX_POOL_BYTES`, or a pool and its host
+    buffer over the free memory (`memory.check_fits`), is refused (exit 2) before anything
+    is allocated."""
     blocks = args.num_blocks or DEFAULT_BLOCKS.get(args.preset, 2048)
     layout = preset(args.preset, num_blocks=blocks)
     if layout.pool_bytes > MAX_POOL_BYTES:
@@ -101,6 +123,11 @@ def layout_from_args(args: argparse.Namespace) -> KVLayout:
             f"--num-blocks {blocks} makes a {layout.pool_bytes / 2**30:.1f} GiB {args.preset} "
             f"pool; at most {MAX_POOL_BYTES >> 30} GiB (device and host each)"
         )
+    # the role holds a device pool and a host buffer of the same size
+    memory.check_fits(f"--num-blocks {blocks} ({args.preset}, "
+                      f"{memory.gib(layout.pool_bytes)} per pool, device and host)",
+                      layout.pool_bytes, "lower --num-blocks", device=args.device,
+                      device_bytes=layout.pool_bytes)
     return layout
 
 

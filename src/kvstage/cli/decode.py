@@ -122,7 +122,8 @@ def print_summary(rows: list[Row], file: TextIO | None = None) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--connect", default=f"127.0.0.1:{DEFAULT_PORT}", help="prefill HOST:PORT")
+    p.add_argument("--connect", default=f"127.0.0.1:{DEFAULT_PORT}",
+                   type=cli_args.address("--connect", listen=False), help="prefill HOST:PORT")
     p.add_argument("--requests", type=cli_args.positive(int, "--requests", high=10**6),
                    default=4)
     p.add_argument("--prompt-tokens", nargs="+", default=[512, 2048, 8192],

@@ -24,6 +24,7 @@ DEFAULT_PORT = 5600
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}",
+                   type=cli_args.address("--listen", listen=True),
                    help="HOST:PORT of the side channel (port 0 picks a free one)")
     p.add_argument("--lease-s", type=cli_args.positive(float, "--lease-s", high=86400.0),
                    default=DEFAULT_LEASE_S)
