@@ -124,6 +124,7 @@ def load_point(url: str, model_path: str, concurrency: int, args: argparse.Names
         "--max-concurrency", str(concurrency), "--request-rate", "inf", "--ignore-eos",
         "--temperature", "0", "--seed", str(args.seed), "--percentile-metrics", "ttft,itl",
         "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "60",
+        "--save-detailed",  # keeps generated_texts in the returned dict (no file written)
     ])
     return main(bench)
 
@@ -186,9 +187,9 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> tuple[list[dict], s
             exact_wrong = sum(a != b for a, b in zip(r["exact"], ref["exact"], strict=True))
         for conc, p in r["points"].items():
             wrong = None
-            if ref is not None and conc in ref["points"]:
-                wrong = sum(a != b for a, b in zip(p["texts"], ref["points"][conc]["texts"],
-                                                   strict=True))
+            ref_texts = ref["points"].get(conc, {}).get("texts") if ref is not None else None
+            if ref_texts and len(p["texts"]) == len(ref_texts) == p["completed"]:
+                wrong = sum(a != b for a, b in zip(p["texts"], ref_texts, strict=True))
             ms, share = transfer_share(p)
             rows.append({"config": r["config"], "round": r.get("round", 0),
                          "concurrency": int(conc),
@@ -246,6 +247,9 @@ def write(out: Path, runs: list[dict], args: argparse.Namespace, started: float)
     (out / "serving.json").write_text(json.dumps({"meta": meta, "rows": rows, "runs": slim},
                                                  indent=1) + "\n")
     (out / "serving.md").write_text(table)
+    texts = {f"{r['config']}/{r['round']}/{c}": p["texts"] for r in runs
+             for c, p in r["points"].items()}
+    (out / "texts.json").write_text(json.dumps(texts) + "\n")  # what the bench compared
     return table
 
 
