@@ -81,3 +81,13 @@ def test_verify_names_the_corrupted_request_only() -> None:
     with pytest.raises(ValueError, match="one kernel block per KV block"):
         checksums.WorkerChecksums(True).attach(views, 2)
     assert checksums.WorkerChecksums(False).verify(["bad"], recving) == set()
+
+
+def test_enabled_refuses_bad_values_and_several_workers() -> None:
+    assert checksums.enabled(None) is False
+    assert checksums.enabled({"kvstage_verify_checksum": True}) is True
+    with pytest.raises(ValueError, match="must be true or false, got 'yes'"):
+        checksums.enabled({"kvstage_verify_checksum": "yes"})
+    with pytest.raises(ValueError, match="one worker per instance .* this instance has 2"):
+        checksums.enabled({"kvstage_verify_checksum": True}, 2)
+    assert checksums.enabled({"kvstage_verify_checksum": False}, 2) is False

@@ -34,7 +34,8 @@ taken. Without the variable the parameter is ignored.
 
 Threads: the worker parts run in vLLM's worker step, the scheduler parts in its
 scheduler step; nothing here starts a thread. Kernel blocks per logical block must be 1
-(checked at registration): the digests are keyed by the block ids both sides READ with.
+(checked at registration) and an instance must have one worker (TP = PP = 1, checked at
+start): the digests are keyed by the block ids both sides READ with.
 """
 
 from __future__ import annotations
@@ -60,10 +61,17 @@ CORRUPT_PARAM = "kvstage_test_corrupt"
 Digests = dict[int, int]  # block id -> xxh3-64
 
 
-def enabled(extra_config: Mapping[str, Any] | None) -> bool:
+def enabled(extra_config: Mapping[str, Any] | None, world_size: int = 1) -> bool:
+    """Whether the checksum is on. ``world_size``: the instance's TP x PP ranks; the
+    digests are keyed by block id only, and each rank holds other bytes of a block."""
     value = (extra_config or {}).get(VERIFY_KEY, False)
     if not isinstance(value, bool):
         raise ValueError(f"{VERIFY_KEY} must be true or false, got {value!r}")
+    if value and world_size != 1:
+        raise ValueError(
+            f"{VERIFY_KEY} supports one worker per instance (tensor and pipeline parallel "
+            f"size 1), this instance has {world_size}; turn the checksum off"
+        )
     if value:
         check_available()  # the install hint now, not at the first request
     return value

@@ -224,7 +224,9 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self.enforce_compat_hash = True
         self._copier: EngineCopyOp | None = None
         extra = self.kv_transfer_config.kv_connector_extra_config
-        self._kvstage_checksums = checksums.WorkerChecksums(checksums.enabled(extra))
+        self._kvstage_checksums = checksums.WorkerChecksums(
+            checksums.enabled(extra, vllm_config.parallel_config.world_size)
+        )
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
@@ -343,7 +345,8 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         # request id -> the block ids scheduled so far, per KV cache group
         self._kvstage_pending: dict[str, list[list[int]]] = {}
         self._kvstage_checksums = checksums.SchedulerChecksums(
-            checksums.enabled(vllm_config.kv_transfer_config.kv_connector_extra_config)
+            checksums.enabled(vllm_config.kv_transfer_config.kv_connector_extra_config,
+                              vllm_config.parallel_config.world_size)
         )
 
     def _nixl_handshake_listener(
