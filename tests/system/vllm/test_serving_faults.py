@@ -37,16 +37,12 @@ adds them and the ``recompute`` deployment.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -55,17 +51,27 @@ pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-c
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 pytest.importorskip("vllm_router", reason="needs vllm-router: `make test-vllm` installs it")
 
-from kvstage.serving import (  # noqa: E402
-    Instance,
-    PDCluster,
-    Result,
-    complete,
-    single_instance,
-)
+from kvstage.serving import PDCluster, complete, single_instance  # noqa: E402
 from kvstage.serving.cluster import api_server_instance, connector_config  # noqa: E402
-from kvstage.serving.instances import http_get  # noqa: E402
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
-from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS, free_ports  # noqa: E402
+from kvstage.testing.vllm_engines import free_ports  # noqa: E402
+from tests.system.vllm.serving_helpers import (  # noqa: E402
+    LOAD_FAILED,
+    NO_WORKERS,
+    RELEASED,
+    REQUEST_TIMEOUT_S,
+    ROUTER_ARGS,
+    WAIT_S,
+    errors_only,
+    log_count,
+    metric,
+    prefill_only,
+    report,
+    send,
+    used_blocks,
+    wait_until,
+    wrong,
+)
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -73,8 +79,6 @@ LONG = os.environ.get("KVSTAGE_LONG_SERVING") == "1"
 long_only = pytest.mark.skipif(not LONG, reason="long serving fault test: KVSTAGE_LONG_SERVING=1")
 
 LEASE_S = 15  # the prefill's hold on blocks nobody reads (vLLM's default: 30 s)
-REQUEST_TIMEOUT_S = 120.0  # the client's bound on every request
-WAIT_S = 120.0  # bound on every state the test waits for
 MAX_TOKENS = 12
 LONG_TOKENS = 256  # group A keeps decoding while the prefill dies
 # under one block up to several sliding windows (64 tokens); five longer than the 120-token
@@ -82,12 +86,6 @@ LONG_TOKENS = 256  # group A keeps decoding while the prefill dies
 PROMPT_LENS = (5, 17, 32, 40, 64, 90, 100, 130, 150, 200, 250, 300)
 A_IDX = (3, 4, 6, 8)  # 40, 64, 100, 150 tokens: + LONG_TOKENS fits max_model_len 512
 B_IDX = tuple(i for i in range(len(PROMPT_LENS)) if i not in A_IDX)
-RELEASED = "Releasing expired KV blocks for request"
-# vllm-router checks each worker's /health every 60 s by default and takes a worker back
-# after 2 good checks in a row: up to 2 min after an instance is back. Every 5 s here.
-ROUTER_ARGS = ("--health-check-interval-secs", "5")
-# what vllm-router answers while it holds no healthy prefill (or decode)
-NO_WORKERS = "HTTP 503: No available workers: "
 
 
 def _prompts() -> list[list[int]]:
@@ -98,82 +96,6 @@ def _prompts() -> list[list[int]]:
 PROMPTS = _prompts()
 A_PROMPTS = [PROMPTS[i] for i in A_IDX]
 B_PROMPTS = [PROMPTS[i] for i in B_IDX]
-
-
-def report(what: str, value: object) -> None:
-    print(f"serving-faults: {what}: {value}", flush=True)
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout: float = WAIT_S) -> float:
-    """Poll ``check`` until true; the seconds it took. Fails the test after ``timeout``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"not within {timeout:.0f} s: {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def metric(url: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` in ``GET /metrics`` whose labels include ``labels``."""
-    status, body = http_get(url + "/metrics")
-    assert status == 200, f"GET {url}/metrics answered {status}"
-    want = [f'{k}="{v}"' for k, v in labels.items()]
-    total = 0.0
-    for line in body.decode().splitlines():
-        sample_of_name = line.startswith(name) and line[len(name):len(name) + 1] in ("{", " ")
-        if sample_of_name and all(w in line for w in want):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-def used_blocks(url: str) -> int:
-    """KV blocks in use: vLLM's usage gauge is 1 - free / (num_gpu_blocks - 1)."""
-    status, body = http_get(url + "/metrics")
-    assert status == 200, f"GET {url}/metrics answered {status}"
-    text = body.decode()
-    found = re.search(r'^vllm:cache_config_info\{[^}]*num_gpu_blocks="(\d+)"', text, re.M)
-    assert found, "no num_gpu_blocks in vllm:cache_config_info"
-    usable = int(found.group(1)) - 1  # minus vLLM's null block
-    used = metric(url, "vllm:kv_cache_usage_perc") * usable
-    assert abs(used - round(used)) < 1e-6, f"usage gauge x {usable} blocks = {used}"
-    return round(used)
-
-
-def prefill_only(url: str, model: str, prompt: list[int]) -> dict[str, Any]:
-    """The router's first stage by hand (max_tokens 1, do_remote_decode): the prefill's
-    ``kv_transfer_params``, which no decode will ever read."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
-            "kv_transfer_params": dict(PREFILL_REQUEST_PARAMS)}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:  # noqa: S310
-        params: dict[str, Any] = json.loads(resp.read(1 << 20))["kv_transfer_params"]
-    return params
-
-
-def log_count(inst: Instance, text: str) -> int:
-    return inst.log_path.read_text(errors="replace").count(text)
-
-
-def send(pool: ThreadPoolExecutor, url: str, prompts: list[list[int]],
-         max_tokens: int) -> Future[list[Result]]:
-    """All ``prompts`` in flight at once, in the background."""
-    return pool.submit(complete, url, prompts, max_tokens, concurrency=len(prompts),
-                       timeout=REQUEST_TIMEOUT_S)
-
-
-def wrong(expected: list[list[int]], results: list[Result]) -> list[str]:
-    return [f"request {i}: {r.error or r.token_ids} != {e}"
-            for i, (e, r) in enumerate(zip(expected, results, strict=True))
-            if r.token_ids != e]
-
-
-def errors_only(results: list[Result], *needles: str) -> list[str]:
-    """Requests that did not end with an HTTP 500 whose body holds every needle."""
-    return [f"request {i}: {r.error or r.token_ids}" for i, r in enumerate(results)
-            if r.error is None or not r.error.startswith("HTTP 500: ")
-            or not all(n in r.error for n in needles)]
 
 
 def wait_readmitted(url: str, model: str) -> float:
@@ -191,9 +113,6 @@ def wait_readmitted(url: str, model: str) -> float:
             raise AssertionError(f"the router did not take the instance back in {WAIT_S} s")
         time.sleep(0.5)
 
-
-# vLLM's answer for a request whose KV load failed under the "fail" policy
-LOAD_FAILED = '"type":"InternalServerError"'
 
 _REFERENCE: dict[str, list[list[int]]] = {}
 
@@ -428,3 +347,4 @@ def test_decode_restarted_mid_load(cluster: PDCluster, model: str) -> None:
            f"then, 0 after {freed:.2f} s more; decode ready again {restarted:.1f} s after "
            f"its start, served through the router {readmitted:.1f} s later, then 12 prompts "
            "all the reference tokens")
+
