@@ -170,6 +170,13 @@ class VLLMEngine:
         return HeldState(request_ids=message["request_ids"],
                          free_blocks=message["free_blocks"])
 
+    def op(self, name: str, timeout: float = 60.0, **payload: Any) -> dict[str, Any]:
+        """One `vllm_engine_ops` op (``submit``, ``step``, ``abort``): its reply message."""
+        assert self._proc is not None and self._proc.stdin is not None, "engine not started"
+        self._proc.stdin.write(json.dumps({"op": name, **payload}).encode() + b"\n")
+        self._proc.stdin.flush()
+        return self._read_message(timeout, expect=name)
+
     def kill(self) -> None:
         """SIGKILL the whole process group now (a crash, for fault tests)."""
         if self._proc is not None and self._proc.poll() is None:
@@ -240,6 +247,8 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from kvstage.testing import vllm_engine_ops
+
     out = os.fdopen(int(os.environ["KVSTAGE_ENGINE_RESULT_FD"]), "w", buffering=1)
 
     def send(message: dict[str, Any]) -> None:
@@ -266,6 +275,12 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
         request = json.loads(line)
         if request.get("op") == "held":
             send(_held(llm, request["steps"], request["interval_s"]))
+            continue
+        if request.get("op") in vllm_engine_ops.OPS:  # async requests (fault tests)
+            try:
+                send(vllm_engine_ops.run_op(llm, request))
+            except Exception as e:  # report it to the parent, then keep serving
+                send({"kind": request["op"], "error": f"{type(e).__name__}: {e}"})
             continue
         try:
             prompts = [TokensPrompt(prompt_token_ids=p) for p in request["prompts"]]
