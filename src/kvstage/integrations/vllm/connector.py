@@ -103,56 +103,35 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
 
 from __future__ import annotations
 
-import contextlib
-import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp, KVConnectorRole
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
-    NixlBaseConnector,
-    NixlConnector,
-    NixlConnectorScheduler,
-    NixlConnectorWorker,
-    NixlHandshakePayload,
-)
-from vllm.distributed.nixl_utils import NixlWrapper
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
 from vllm.logger import init_logger
 
-from kvstage.integrations.vllm import checksums, secure, secure_handshake
-from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
-from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
-from kvstage.integrations.vllm.reads import install_merged_reads
-from kvstage.integrations.vllm.stats import (
-    KVStagePromMetrics,
-    KVStageStats,
-    metered_copy_blocks,
-)
-from kvstage.transport.nixl_agent import (
-    DEFAULT_PROGRESS_DELAY_US,
-    check_progress_delay,
-    progress_delay,
-)
+from kvstage.integrations.vllm import checksums
+from kvstage.integrations.vllm.scheduler import KVStageConnectorScheduler
+from kvstage.integrations.vllm.settings import HASH_PREFIX, KVSTAGE_PROTOCOL
+from kvstage.integrations.vllm.stats import KVStagePromMetrics, KVStageStats
+from kvstage.integrations.vllm.worker import KVStageConnectorWorker, remote_compat_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
+
+__all__ = [
+    "HASH_PREFIX",
+    "KVSTAGE_PROTOCOL",
+    "SLEEP_MODE_REFUSAL",
+    "KVStageConnector",
+    "KVStageConnectorScheduler",
+    "KVStageConnectorWorker",
+    "remote_compat_hash",
+]
 
 # under "vllm." so the messages go where vLLM's own go
 logger = init_logger(f"vllm.{__name__}")
 
-#: Bumped whenever the bytes kvstage puts on the wire change meaning.
-KVSTAGE_PROTOCOL = 1
-HASH_PREFIX = f"kvstage{KVSTAGE_PROTOCOL}:"
-FORCE_HOST_BUFFER_KEY = "kvstage_force_host_buffer"
-PROGRESS_DELAY_KEY = "kvstage_progress_delay_us"
 SLEEP_MODE_REFUSAL = (
     "KVStageConnector does not support vLLM's sleep mode (--enable-sleep-mode; vLLM 0.33.0 "
     "asks connectors through supports_sleep_mode): releasing and restoring kvstage's host "
@@ -160,264 +139,6 @@ SLEEP_MODE_REFUSAL = (
     "as it cannot be tested without a GPU (vLLM's sleep needs its CUDA memory pool). Start "
     "the instance without --enable-sleep-mode"
 )
-
-def _force_host_buffer(vllm_config: VllmConfig) -> bool:
-    cfg = vllm_config.kv_transfer_config
-    assert cfg is not None
-    if cfg.kv_buffer_device != "cpu":
-        raise ValueError(
-            f"KVStageConnector stages KV through host memory: kv_buffer_device must be "
-            f'\'cpu\', got {cfg.kv_buffer_device!r}; add "kv_buffer_device": "cpu" to '
-            "--kv-transfer-config (or use NixlConnector for device-to-device transfers)"
-        )
-    return bool(cfg.get_from_extra_config(FORCE_HOST_BUFFER_KEY, False))
-
-
-def _sleeping_progress_thread(vllm_config: VllmConfig) -> contextlib.AbstractContextManager[None]:
-    """`kvstage.transport.nixl_agent.progress_delay` around the NIXL wrapper vLLM uses
-    (``kvstage_progress_delay_us`` in ``kv_connector_extra_config``, default 1000; 0
-    keeps NIXL's busy loop). A NIXL without that wrapper shape is left as it is."""
-    cfg = vllm_config.kv_transfer_config
-    assert cfg is not None
-    delay = cfg.get_from_extra_config(PROGRESS_DELAY_KEY, DEFAULT_PROGRESS_DELAY_US)
-    check_progress_delay(delay)
-    api = sys.modules.get(getattr(NixlWrapper, "__module__", ""), None)
-    if api is None or not hasattr(api, "nixlBind"):
-        return contextlib.nullcontext()
-    return progress_delay(api, delay)
-
-
-class KVStageConnectorWorker(NixlConnectorWorker):
-    """NIXL worker whose host buffers alias like the device and whose copy is fused."""
-
-    compat_hash: str | None  # set by vLLM's register_kv_caches
-    xfer_handshake_metadata: Any
-    # every copy op assigned (vLLM's None, kvstage's) is timed into the KV stats (stats.py)
-    copy_blocks = metered_copy_blocks()
-
-    def __init__(
-        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
-    ) -> None:
-        # vLLM creates its NIXL agent in here: give its progress thread a delay, as
-        # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
-        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
-        with _sleeping_progress_thread(vllm_config):
-            super().__init__(vllm_config, engine_id, kv_cache_config)
-        # notifications must carry the request's capability (secure.py); handshakes sealed
-        secure.guard_notifications(
-            self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
-        )
-        secure_handshake.install()
-        # READs post one descriptor per run per region, not per (region, block): reads.py
-        self._kvstage_reads = install_merged_reads(
-            self.nixl_wrapper, self.kv_transfer_config.kv_connector_extra_config or {}, logger
-        )
-        self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
-        if _force_host_buffer(vllm_config):
-            self.use_host_buffer = True
-        if self.kv_transfer_config.enable_permute_local_kv:
-            raise ValueError(
-                "KVStageConnector keeps the host layout equal to the device layout; "
-                "enable_permute_local_kv (heterogeneous TP permute) is not supported"
-            )
-        # Both sides must stage through kvstage's buffers: the check is not optional.
-        self.enforce_compat_hash = True
-        self._copier: EngineCopyOp | None = None
-        extra = self.kv_transfer_config.kv_connector_extra_config
-        self._kvstage_checksums = checksums.WorkerChecksums(
-            checksums.enabled(extra, vllm_config.parallel_config.world_size)
-        )
-
-    def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self.host_xfer_buffers = mirror_host_buffers(kv_caches)
-        groups = [(g.layer_names, g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups]
-        self._copier = EngineCopyOp(
-            kv_caches, self.host_xfer_buffers, kvstage_groups(groups, kv_caches)
-        )
-        # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
-        # set ours now, so the path is complete whatever the platform.
-        self.copy_blocks = self._copier
-        self._kvstage_checksums.attach(
-            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block
-        )
-        per_layer = sum(t.nbytes for t in kv_caches.values())
-        logger.info(
-            "kvstage host buffers: %d layer names over %d allocation(s), %d bytes "
-            "(per-layer-name buffers would take %d); %d physical tensors, one copy per run "
-            "for all of them",
-            len(kv_caches),
-            len({t.untyped_storage().data_ptr() for t in self.host_xfer_buffers.values()}),
-            host_nbytes(self.host_xfer_buffers),
-            per_layer,
-            len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
-        )
-
-    # opt-in checksum (checksums.py): digest after the save, verify before the h2d
-    def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
-        super().save_kv_to_host(metadata)
-        self._kvstage_checksums.after_save(metadata)
-
-    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
-        self._kvstage_checksums.expect(metadata)
-        super().start_load_kv(metadata)
-
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
-        done, failed = super()._pop_done_transfers(transfers)
-        if transfers is self._recving_transfers:  # a mismatch fails the load (no h2d)
-            failed |= self._kvstage_checksums.verify(done - failed, self._recving_metadata)
-        return done, failed
-
-    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
-        # vLLM's op copies every layer name (aliases again); ours is already in place.
-        del copy_operation
-
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        super().register_kv_caches(kv_caches)
-        assert self.compat_hash is not None
-        payload = self.xfer_handshake_metadata
-        self.compat_hash = HASH_PREFIX + self.compat_hash
-        self.xfer_handshake_metadata = NixlHandshakePayload(
-            compatibility_hash=self.compat_hash,
-            agent_metadata_bytes=payload.agent_metadata_bytes,
-        )
-
-    def _nixl_handshake(
-        self, host: str, port: int, *args: Any, **kwargs: Any
-    ) -> tuple[dict[tuple[int, int], str], float]:
-        security = self._kvstage_security
-        security.check_address(host, action="handshake with the prefill at")
-        try:
-            with secure_handshake.sealed_handshakes(security.key):
-                return super()._nixl_handshake(host, port, *args, **kwargs)
-        except secure_handshake.HandshakeRefused:
-            raise  # says why already (a refusal or a reply that failed the key check)
-        except RuntimeError as e:
-            # Decided on the peer's hash, asked for again, never on vLLM's error text.
-            remote = remote_compat_hash(host, port, key=security.key)
-            if remote is None or remote == self.compat_hash:
-                raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
-            if remote.startswith(secure_handshake.REFUSED_PREFIX):  # e.g. we have no key
-                raise secure_handshake.HandshakeRefused(
-                    f"the prefill at {host}:{port} refused the handshake: "
-                    f"{remote[len(secure_handshake.REFUSED_PREFIX):]!r}"
-                ) from e
-            if not remote.startswith("kvstage"):
-                raise RuntimeError(
-                    f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
-                    f"KV connector (its handshake hash {remote[:16]}... has no "
-                    f"{HASH_PREFIX!r} prefix). Both instances must load KVStageConnector "
-                    '("kv_connector": "KVStageConnector", "kv_connector_module_path": '
-                    '"kvstage.integrations.vllm"): a plain NixlConnector peer stages '
-                    "through per-layer buffers that do not match kvstage's host layout"
-                ) from e
-            raise RuntimeError(
-                f"the prefill peer at {host}:{port} runs kvstage but a different "
-                f"configuration or version (local hash {self.compat_hash}, remote "
-                f"{remote}): {e}"
-            ) from e
-
-
-def remote_compat_hash(
-    host: str, port: int, *, key: bytes | None = None, timeout_s: float = 5.0
-) -> str | None:
-    """The compatibility hash a vLLM NIXL handshake listener at ``host:port`` sends (its
-    rank 0's payload, as vLLM's own handshake asks for it; sealed with ``key``), or None if
-    it does not answer in ``timeout_s`` or answers with something else."""
-    try:
-        payload = secure_handshake.fetch_payload(host, port, key, timeout_s=timeout_s)
-    except secure_handshake.HandshakeRefused:
-        return None
-    return None if payload is None else str(payload.compatibility_hash)
-
-
-class KVStageConnectorScheduler(NixlConnectorScheduler):
-    """NIXL scheduler side: host path switchable on CPU, save once per finished prompt."""
-
-    def __init__(
-        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
-    ) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._kvstage_security = secure.Security.from_config(
-            vllm_config, side_channel_host=self.side_channel_host
-        )
-        if _force_host_buffer(vllm_config):
-            self.use_host_buffer = True
-        # request id -> the block ids scheduled so far, per KV cache group
-        self._kvstage_pending: dict[str, list[list[int]]] = {}
-        self._kvstage_checksums = checksums.SchedulerChecksums(
-            checksums.enabled(vllm_config.kv_transfer_config.kv_connector_extra_config,
-                              vllm_config.parallel_config.world_size)
-        )
-
-    def _nixl_handshake_listener(
-        self,
-        encoded_data: dict[tuple[int, int], bytes],
-        ready_event: threading.Event,
-        stop_event: threading.Event,
-        host: str,
-        port: int,
-    ) -> None:
-        # vLLM's thread runs kvstage's listener: sealed with the key, refusing the rest
-        secure_handshake.serve_handshake(
-            encoded_data, ready_event, stop_event, host, port, key=self._kvstage_security.key
-        )
-
-    def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        delay_free, params = super().request_finished(request, block_ids)
-        key = self._kvstage_security.key
-        if key is not None and params is not None and "remote_request_id" in params:
-            # the reader's notifications for this request must carry its capability
-            params["remote_request_id"] = secure.with_capability(
-                key, self.engine_id, request.request_id
-            )
-        self._kvstage_checksums.finished(request.request_id, params)
-        return delay_free, params
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        collected = self._kvstage_checksums.collect(self._reqs_need_recv, self._reqs_need_save)
-        meta = super().build_connector_meta(scheduler_output)
-        checksums.SchedulerChecksums.attach(meta, collected)
-        return meta
-
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        super().update_connector_output(connector_output)
-        self._kvstage_checksums.update(connector_output.kv_connector_worker_meta)
-
-    def _build_save_meta(
-        self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput
-    ) -> None:
-        # Forget requests vLLM dropped from the save set (aborted partial prefills).
-        for req_id in list(self._kvstage_pending):
-            if req_id not in self._reqs_need_save:
-                del self._kvstage_pending[req_id]
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        assert num_scheduled is not None
-        for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
-            req = self._reqs_need_save.get(req_id)
-            if req is None:
-                continue
-            groups = self._kvstage_pending.get(req_id)
-            if new_block_ids is not None:
-                if groups is None or resumed:  # a resumed request lists all its blocks
-                    groups = [list(g) for g in new_block_ids]
-                else:
-                    for acc, new in zip(groups, new_block_ids, strict=True):
-                        acc.extend(new)
-                self._kvstage_pending[req_id] = groups
-            if req.num_computed_tokens + num_scheduled[req_id] < req.num_prompt_tokens:
-                continue  # partial prefill: save when the last chunk has run
-            del self._reqs_need_save[req_id]
-            self._kvstage_pending.pop(req_id, None)
-            if not groups:
-                continue
-            assert req.kv_transfer_params is not None
-            meta.add_new_req_to_save(
-                request_id=req_id,
-                local_block_ids=self.get_exchange_clipped_blocks(tuple(groups), clip_ssm=False),
-                kv_transfer_params=req.kv_transfer_params,
-            )
 
 
 class KVStageConnector(NixlConnector):

@@ -1,0 +1,181 @@
+"""`KVStageConnectorWorker`: vLLM's NIXL worker with kvstage's host buffers, copy engine,
+merged READs, sealed handshake, notification guard, checksums and stats.
+
+Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc.
+Threads: copies run where vLLM calls them (the worker's step); vLLM's handshake thread runs
+the sealed query (`secure_handshake.sealed_handshakes`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import CopyBlocksOp
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlConnectorWorker,
+    NixlHandshakePayload,
+)
+from vllm.logger import init_logger
+
+from kvstage.integrations.vllm import checksums, secure, secure_handshake
+from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
+from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.reads import install_merged_reads
+from kvstage.integrations.vllm.settings import (
+    HASH_PREFIX,
+    force_host_buffer,
+    sleeping_progress_thread,
+)
+from kvstage.integrations.vllm.stats import KVStageStats, metered_copy_blocks
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# under "vllm." so the messages go where vLLM's own go
+logger = init_logger(f"vllm.{__name__}")
+
+
+class KVStageConnectorWorker(NixlConnectorWorker):
+    """NIXL worker whose host buffers alias like the device and whose copy is fused."""
+
+    compat_hash: str | None  # set by vLLM's register_kv_caches
+    xfer_handshake_metadata: Any
+    # every copy op assigned (vLLM's None, kvstage's) is timed into the KV stats (stats.py)
+    copy_blocks = metered_copy_blocks()
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        # vLLM creates its NIXL agent in here: give its progress thread a delay, as
+        # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
+        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
+        with sleeping_progress_thread(vllm_config):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        # notifications must carry the request's capability (secure.py); handshakes sealed
+        secure.guard_notifications(
+            self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
+        )
+        secure_handshake.install()
+        # READs post one descriptor per run per region, not per (region, block): reads.py
+        self._kvstage_reads = install_merged_reads(
+            self.nixl_wrapper, self.kv_transfer_config.kv_connector_extra_config or {}, logger
+        )
+        self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
+        if force_host_buffer(vllm_config):
+            self.use_host_buffer = True
+        if self.kv_transfer_config.enable_permute_local_kv:
+            raise ValueError(
+                "KVStageConnector keeps the host layout equal to the device layout; "
+                "enable_permute_local_kv (heterogeneous TP permute) is not supported"
+            )
+        # Both sides must stage through kvstage's buffers: the check is not optional.
+        self.enforce_compat_hash = True
+        self._copier: EngineCopyOp | None = None
+        extra = self.kv_transfer_config.kv_connector_extra_config
+        self._kvstage_checksums = checksums.WorkerChecksums(
+            checksums.enabled(extra, vllm_config.parallel_config.world_size)
+        )
+
+    def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.host_xfer_buffers = mirror_host_buffers(kv_caches)
+        groups = [(g.layer_names, g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups]
+        self._copier = EngineCopyOp(
+            kv_caches, self.host_xfer_buffers, kvstage_groups(groups, kv_caches)
+        )
+        # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
+        # set ours now, so the path is complete whatever the platform.
+        self.copy_blocks = self._copier
+        self._kvstage_checksums.attach(
+            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block
+        )
+        per_layer = sum(t.nbytes for t in kv_caches.values())
+        logger.info(
+            "kvstage host buffers: %d layer names over %d allocation(s), %d bytes "
+            "(per-layer-name buffers would take %d); %d physical tensors, one copy per run "
+            "for all of them",
+            len(kv_caches),
+            len({t.untyped_storage().data_ptr() for t in self.host_xfer_buffers.values()}),
+            host_nbytes(self.host_xfer_buffers),
+            per_layer,
+            len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
+        )
+
+    # opt-in checksum (checksums.py): digest after the save, verify before the h2d
+    def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
+        super().save_kv_to_host(metadata)
+        self._kvstage_checksums.after_save(metadata)
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        self._kvstage_checksums.expect(metadata)
+        super().start_load_kv(metadata)
+
+    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
+        done, failed = super()._pop_done_transfers(transfers)
+        if transfers is self._recving_transfers:  # a mismatch fails the load (no h2d)
+            failed |= self._kvstage_checksums.verify(done - failed, self._recving_metadata)
+        return done, failed
+
+    def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
+        # vLLM's op copies every layer name (aliases again); ours is already in place.
+        del copy_operation
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        assert self.compat_hash is not None
+        payload = self.xfer_handshake_metadata
+        self.compat_hash = HASH_PREFIX + self.compat_hash
+        self.xfer_handshake_metadata = NixlHandshakePayload(
+            compatibility_hash=self.compat_hash,
+            agent_metadata_bytes=payload.agent_metadata_bytes,
+        )
+
+    def _nixl_handshake(
+        self, host: str, port: int, *args: Any, **kwargs: Any
+    ) -> tuple[dict[tuple[int, int], str], float]:
+        security = self._kvstage_security
+        security.check_address(host, action="handshake with the prefill at")
+        try:
+            with secure_handshake.sealed_handshakes(security.key):
+                return super()._nixl_handshake(host, port, *args, **kwargs)
+        except secure_handshake.HandshakeRefused:
+            raise  # says why already (a refusal or a reply that failed the key check)
+        except RuntimeError as e:
+            # Decided on the peer's hash, asked for again, never on vLLM's error text.
+            remote = remote_compat_hash(host, port, key=security.key)
+            if remote is None or remote == self.compat_hash:
+                raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
+            if remote.startswith(secure_handshake.REFUSED_PREFIX):  # e.g. we have no key
+                raise secure_handshake.HandshakeRefused(
+                    f"the prefill at {host}:{port} refused the handshake: "
+                    f"{remote[len(secure_handshake.REFUSED_PREFIX):]!r}"
+                ) from e
+            if not remote.startswith("kvstage"):
+                raise RuntimeError(
+                    f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
+                    f"KV connector (its handshake hash {remote[:16]}... has no "
+                    f"{HASH_PREFIX!r} prefix). Both instances must load KVStageConnector "
+                    '("kv_connector": "KVStageConnector", "kv_connector_module_path": '
+                    '"kvstage.integrations.vllm"): a plain NixlConnector peer stages '
+                    "through per-layer buffers that do not match kvstage's host layout"
+                ) from e
+            raise RuntimeError(
+                f"the prefill peer at {host}:{port} runs kvstage but a different "
+                f"configuration or version (local hash {self.compat_hash}, remote "
+                f"{remote}): {e}"
+            ) from e
+
+
+def remote_compat_hash(
+    host: str, port: int, *, key: bytes | None = None, timeout_s: float = 5.0
+) -> str | None:
+    """The compatibility hash a vLLM NIXL handshake listener at ``host:port`` sends (its
+    rank 0's payload, as vLLM's own handshake asks for it; sealed with ``key``), or None if
+    it does not answer in ``timeout_s`` or answers with something else."""
+    try:
+        payload = secure_handshake.fetch_payload(host, port, key, timeout_s=timeout_s)
+    except secure_handshake.HandshakeRefused:
+        return None
+    return None if payload is None else str(payload.compatibility_hash)
