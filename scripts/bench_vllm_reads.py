@@ -171,7 +171,8 @@ def main() -> None:
         p_port, m_port, b_port = free_ports(3)
         decodes = {
             "merged": VLLMEngine(spec(model, logs / "decode-merged.log", 1, m_port,
-                                      "kv_consumer", args.pool_blocks)),
+                                      "kv_consumer", args.pool_blocks,
+                                      kvstage_merge_reads=True)),
             "per-block": VLLMEngine(spec(model, logs / "decode-per-block.log", 1, b_port,
                                          "kv_consumer", args.pool_blocks,
                                          kvstage_merge_reads=False)),

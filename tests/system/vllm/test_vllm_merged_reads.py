@@ -55,7 +55,9 @@ def _spec(model: Path, log: Path, core: int, *, role: str | None = None, port: i
           kv_cache_bytes: int = 64 << 20) -> EngineSpec:
     kv = None
     if role is not None:
-        kv = kv_transfer_config(KVSTAGE_CONNECTOR, role, kvstage_log_reads=True)
+        kv = kv_transfer_config(
+            KVSTAGE_CONNECTOR, role, kvstage_log_reads=True, kvstage_merge_reads=True
+        )
     return EngineSpec(model=str(model), log_path=str(log), kv_transfer_config=kv,
                       max_model_len=512, max_num_batched_tokens=120, block_size=BLOCK_SIZE,
                       cpu_core=core, env=side_channel_env(port) if port else {},

@@ -22,10 +22,12 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   the device tensors and ``HostBuffer.wrap_layers`` of the mirrored host ones, ids trusted:
   vLLM allocated them): one ``copy_`` per run of consecutive block ids for every physical
   tensor at once, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
-- READ descriptors: one per run of blocks consecutive on both sides per region, not one
-  per (region, block) (`reads.MergedReads` over vLLM's NIXL agent; vLLM's read path,
-  notifications and timeouts unchanged). ``kvstage_merge_reads: false`` in
-  ``kv_connector_extra_config`` keeps vLLM's per-block descriptors (benches compare);
+- READ descriptors (`reads.MergedReads` over vLLM's NIXL agent; vLLM's read path,
+  notifications and timeouts unchanged): ``kvstage_merge_reads: true`` in
+  ``kv_connector_extra_config`` hands NIXL one descriptor per run of blocks consecutive on
+  both sides per region, not one per (region, block). Off by default: NIXL 1.5.1's
+  ``make_prepped_xfer`` already merges vLLM's per-block pairs (same NIXL descCount, same
+  transfer) at a third of the posting cost (BENCHMARKS.md "Inside vLLM").
   ``kvstage_log_reads: true`` logs every READ's counts and NIXL figures.
 - Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
   scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two

@@ -247,8 +247,10 @@ class MergedReads:
 
 def install_merged_reads(agent: Any, extra_config: Any, logger: logging.Logger) -> MergedReads:
     """`MergedReads` over vLLM's agent, configured from ``kv_connector_extra_config``
-    (``kvstage_merge_reads``, default True; ``kvstage_log_reads``, default False)."""
-    merge = extra_config.get(MERGE_READS_KEY, True)
+    (``kvstage_merge_reads``, default False: NIXL 1.5.1's ``make_prepped_xfer`` merges vLLM's
+    per-block pairs itself, at a third of the posting cost, BENCHMARKS.md "Inside vLLM";
+    ``kvstage_log_reads``, default False)."""
+    merge = extra_config.get(MERGE_READS_KEY, False)
     log_reads = extra_config.get(LOG_READS_KEY, False)
     for key, value in ((MERGE_READS_KEY, merge), (LOG_READS_KEY, log_reads)):
         if not isinstance(value, bool):
