@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,16 +65,7 @@ def block_digests(host: HostBuffer, block_ids: Sequence[int]) -> list[int]:
         for b in block_ids:
             out.append(xx.xxh3_64_intdigest(memoryview(rows[b])) if b else 0)
         return out
-    planes = raw.numpy()
-    for b in block_ids:
-        if not b:
-            out.append(0)
-            continue
-        h = xx.xxh3_64()
-        for plane in planes:
-            h.update(memoryview(plane[b]))
-        out.append(h.intdigest())
-    return out
+    return _plane_digests(xx, raw.numpy(), block_ids)
 
 
 def digest_map(remote_ids: Sequence[Sequence[int]],
@@ -117,6 +109,11 @@ def views_digests(views: Sequence[torch.Tensor], block_ids: Sequence[int]) -> li
     xx = _xxhash()
     planes = [p.numpy() for v in views for p in v.reshape(v.shape[0], v.shape[1], -1)
               .view(torch.uint8).unbind(0)]
+    return _plane_digests(xx, planes, block_ids)
+
+
+def _plane_digests(xx: Any, planes: Any, block_ids: Sequence[int]) -> list[int]:
+    """xxh3-64 of each block's rows over every plane, in order (the null block -> 0)."""
     out = []
     for b in block_ids:
         if not b:
