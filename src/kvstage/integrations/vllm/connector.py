@@ -56,6 +56,12 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   prefill digests each saved block's host bytes (xxh3-64) and hands the digests to the decode
   in ``kv_transfer_params``; the decode hashes what its READ wrote before the h2d, and a
   mismatch fails the request's KV load (vLLM's ``kv_load_failure_policy`` applies).
+- Lease check (`lease`, always on): the prefill hands out the end of its lease on a
+  request's blocks in ``kv_transfer_params`` (``kvstage_lease_expires``, its
+  ``perf_counter``); the decode does not start a READ whose lease ends within
+  ``kvstage_lease_margin_s`` (default ``kv_lease_duration // 6 + 2`` s) on its clock, as
+  vLLM's handshake offset maps it, and fails that request's KV load instead (vLLM's
+  ``kv_load_failure_policy`` applies): freed blocks may hold another request's KV.
 - Late bytes: vLLM 0.32.0 already keeps a READ's local blocks until NIXL reports it DONE or
   failed and its handle is released (an aborted request's blocks are freed only then);
   tests/system/vllm/test_vllm_late_bytes.py holds it to that, no quarantine is added.
@@ -77,7 +83,9 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
   ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0), ``build_connector_worker_meta``.
 - `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
   ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``,
-  ``save_kv_to_host``, ``start_load_kv``, ``_pop_done_transfers`` (checksums); attributes
+  ``save_kv_to_host``, ``start_load_kv``, ``_pop_done_transfers`` (checksums),
+  ``_read_blocks_for_req`` (lease: calls ``_handle_failed_transfer``, reads
+  ``_engine_clock_offset``, ``_invalid_remote_engines``, ``_recv_failures``); attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
   ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
   ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property),
@@ -94,9 +102,10 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
 - `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``,
   ``_nixl_handshake_listener`` (a staticmethod in vLLM, replaced by a method; vLLM's thread
   calls it with its arguments), ``request_finished`` (its ``remote_request_id`` gains the
-  capability), ``build_connector_meta``, ``update_connector_output`` (checksums);
-  attributes used: ``use_host_buffer``, ``_reqs_need_save``, ``_reqs_need_recv``,
-  ``get_exchange_clipped_blocks``, ``side_channel_host``, ``engine_id``.
+  capability; the lease's end from ``_kv_lease_duration``), ``build_connector_meta``,
+  ``update_connector_output`` (checksums); attributes used: ``use_host_buffer``,
+  ``_reqs_need_save``, ``_reqs_need_recv``, ``get_exchange_clipped_blocks``,
+  ``side_channel_host``, ``engine_id``.
 - Other vLLM names used: ``NixlHandshakePayload``, ``GET_META_MSG``, the handshake wire
   (query ``(GET_META_MSG, pp_rank, tp_rank)``, reply ``[payload, perf_counter]``), the
   notification texts ``<id>:<consumers>`` and ``HB:<id>,...`` (``_get_new_notifs``),

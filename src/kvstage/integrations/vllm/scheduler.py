@@ -9,12 +9,13 @@ Threads: vLLM's listener thread runs `secure_handshake.serve_handshake`.
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorScheduler
 
-from kvstage.integrations.vllm import checksums, secure, secure_handshake
+from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
 from kvstage.integrations.vllm.settings import force_host_buffer
 
 if TYPE_CHECKING:
@@ -62,7 +63,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        started = time.perf_counter()  # before vLLM stamps its deadline: never later
         delay_free, params = super().request_finished(request, block_ids)
+        lease.stamp(params, delay_free, started, self._kv_lease_duration)
         key = self._kvstage_security.key
         if key is not None and params is not None and "remote_request_id" in params:
             # the reader's notifications for this request must carry its capability
@@ -74,7 +77,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         collected = self._kvstage_checksums.collect(self._reqs_need_recv, self._reqs_need_save)
+        leases = lease.collect(self._reqs_need_recv)
         meta = super().build_connector_meta(scheduler_output)
+        meta.kvstage_leases = leases
         checksums.SchedulerChecksums.attach(meta, collected)
         return meta
 

@@ -81,6 +81,14 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     (NIXL, "NixlConnectorScheduler.update_connector_output", "method"),
     (NIXL, "NixlConnectorScheduler._reqs_need_recv", "attr"),
     (NIXL, "NixlConnector.build_connector_worker_meta", "method"),
+    # lease.py (the lease check before a READ)
+    (NIXL, "NixlConnectorWorker._read_blocks_for_req", "method"),
+    (NIXL, "NixlConnectorWorker._handle_failed_transfer", "method"),
+    (NIXL, "NixlConnectorWorker._recv_failures", "attr"),
+    (NIXL, "NixlConnectorWorker._engine_clock_offset", "attr"),
+    (NIXL, "NixlConnectorWorker._invalid_remote_engines", "attr"),
+    (NIXL, "NixlConnectorScheduler._kv_lease_duration", "attr"),
+    (f"{NIXL}.stats", "NixlKVConnectorStats.record_kv_expired_req", "method"),
     (BASE, "KVConnectorWorkerMetadata.aggregate", "method"),
     # KVStageConnectorScheduler(NixlConnectorScheduler)
     (NIXL, "NixlConnectorScheduler.__init__", "method"),

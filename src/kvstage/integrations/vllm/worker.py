@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 from vllm.logger import init_logger
 
-from kvstage.integrations.vllm import checksums, secure, secure_handshake
+from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
 from kvstage.integrations.vllm.reads import install_merged_reads
@@ -78,6 +78,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self._kvstage_checksums = checksums.WorkerChecksums(
             checksums.enabled(extra, vllm_config.parallel_config.world_size)
         )
+        self._kvstage_leases = lease.WorkerLeases(lease.margin_s(extra))
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
@@ -110,7 +111,22 @@ class KVStageConnectorWorker(NixlConnectorWorker):
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         self._kvstage_checksums.expect(metadata)
+        self._kvstage_leases.expect(metadata)
         super().start_load_kv(metadata)
+        self._kvstage_leases.prune(self._recving_metadata)
+
+    # lease.py: no READ of blocks whose prefill lease may have ended (fails the load)
+    def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
+        why = self._kvstage_leases.refusal(req_id, meta, self._engine_clock_offset)
+        if why is None or meta.remote.engine_id in self._invalid_remote_engines:
+            super()._read_blocks_for_req(req_id, meta)
+            return
+        lease.WorkerLeases.log(req_id, meta.remote.engine_id, why)
+        self.xfer_stats.record_kv_expired_req()
+        # as vLLM declines an expired turn-2 read: the request ends in failed_recving
+        self._handle_failed_transfer(
+            req_id, None, self._recv_failures, record_failed_transfer=False
+        )
 
     def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
         done, failed = super()._pop_done_transfers(transfers)

@@ -1,0 +1,147 @@
+"""Lease check inside `KVStageConnector`: a decode never READs blocks whose prefill lease
+may have ended.
+
+Why: vLLM 0.32.0's prefill frees a request's held blocks when ``kv_lease_duration`` ends
+(``kv_connector_extra_config``, default 30 s); the decode heartbeats the prefill (extending
+the hold) only for requests already in its scheduler. A decode that reaches a request later
+(stalled, backlogged) READs blocks that other requests have refilled and decodes their KV
+(RELIABILITY.md "Serving faults"). vLLM checks an expiry only for its bidirectional turn-2
+read; this module does the same for the prefill's blocks.
+
+Contract
+--------
+- Prefill scheduler (`stamp`): the ``kv_transfer_params`` ``request_finished`` hands out
+  for a decode carry ``"kvstage_lease_expires"``: the end of the lease in the prefill
+  scheduler process's ``time.perf_counter`` seconds, taken BEFORE vLLM stamps its own
+  deadline (so it is never later than vLLM's; the prefill worker's deadline, rebased by
+  vLLM, and heartbeats only make the hold longer).
+- Decode scheduler (`collect`): hands each request's value to its worker in the connector
+  metadata (``kvstage_leases`` attribute).
+- Decode worker (`WorkerLeases.refusal`, called in ``_read_blocks_for_req`` once the
+  prefill is handshaken, so also for requests queued behind a handshake): the deadline on
+  the local clock is ``value - clock offset``, the offset being vLLM's handshake estimate
+  of the prefill's ``perf_counter`` (``_engine_clock_offset``, the best of its round trips;
+  kvstage's listener echoes ``perf_counter`` from the same process as vLLM's). No wall
+  clocks are compared: hosts need not be time-synchronised, only their ``perf_counter``
+  rates equal. When ``now + margin >= deadline`` the READ is not started and the request
+  fails its KV load (``failed_recving``, as vLLM declines an expired turn-2 read; counted
+  in ``kv_expired_reqs``): vLLM's ``kv_load_failure_policy`` applies (``fail``: an error;
+  ``recompute``: computed locally). A value that is not a finite number is refused the same
+  way, logged. No value (an older kvstage prefill): read as before.
+- Margin: ``"kvstage_lease_margin_s"`` in ``kv_connector_extra_config`` (seconds, a finite
+  number >= 0), by default this instance's heartbeat interval (``kv_lease_duration // 6``,
+  the longest a request waits for its first heartbeat) + 2 s (the offset's error, the READ's
+  start). Requests without local blocks to fill (full local hits, aborts) are not checked:
+  they read nothing.
+
+Threads: the scheduler parts run in vLLM's scheduler step, the worker parts in its worker
+step; nothing here starts a thread.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Container, Mapping
+from typing import Any
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm.{__name__}")
+
+EXPIRES_KEY = "kvstage_lease_expires"
+MARGIN_KEY = "kvstage_lease_margin_s"
+SLACK_S = 2.0  # the handshake offset's error plus the READ's start, on top of a heartbeat
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a finite float, or None (bools and strings are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def margin_s(extra_config: Mapping[str, Any] | None) -> float:
+    """The decode's margin (see the module doc); ValueError naming the key on bad input."""
+    extra = extra_config or {}
+    if MARGIN_KEY in extra:
+        value = _number(extra[MARGIN_KEY])
+        if value is None or value < 0:
+            raise ValueError(
+                f"{MARGIN_KEY} in kv_connector_extra_config must be a number of seconds "
+                f">= 0, got {extra[MARGIN_KEY]!r}; leave it out for the default "
+                f"(kv_lease_duration // 6 + {SLACK_S:g})"
+            )
+        return value
+    lease = _number(extra.get("kv_lease_duration", 30))
+    return (int(lease) // 6 if lease is not None and lease > 0 else 0) + SLACK_S
+
+
+def stamp(params: dict[str, Any] | None, delay_free: bool, started: float,
+          lease_s: float) -> None:
+    """Prefill: add the lease's end to the params handed to a decode (in place)."""
+    if params is not None and delay_free and params.get("do_remote_prefill"):
+        params[EXPIRES_KEY] = started + lease_s
+
+
+def collect(reqs_need_recv: Mapping[str, Any]) -> dict[str, Any]:
+    """Decode scheduler: request id -> its params' value, for the requests that carry one
+    (before vLLM builds the step's metadata: it clears the map)."""
+    out: dict[str, Any] = {}
+    for rid, entry in reqs_need_recv.items():
+        params = entry[0].kv_transfer_params or {}
+        if EXPIRES_KEY in params:
+            out[rid] = params[EXPIRES_KEY]
+    return out
+
+
+def refusal(value: Any, clock_offset: float, now: float, margin: float) -> str | None:
+    """Why a READ must not start (a sentence), or None to read."""
+    expires = _number(value)
+    if expires is None:
+        return (f"its kv_transfer_params carry {EXPIRES_KEY}={value!r}, not a number of "
+                "seconds; the prefill's blocks may be anyone's")
+    left = expires - clock_offset - now
+    if left > margin:
+        return None
+    when = f"ended {-left:.2f} s ago" if left <= 0 else f"ends in {left:.2f} s"
+    return (f"the prefill's lease on its blocks {when}, within the {margin:g} s margin "
+            f"({MARGIN_KEY}): the blocks may hold another request's KV by the time they "
+            "are read")
+
+
+class WorkerLeases:
+    """Decode worker side: the values the scheduler handed over, checked before a READ."""
+
+    def __init__(self, margin: float) -> None:
+        self.margin = margin
+        self._expires: dict[str, Any] = {}  # request id -> params value
+
+    def expect(self, metadata: Any) -> None:
+        self._expires.update(getattr(metadata, "kvstage_leases", {}))
+
+    def refusal(self, req_id: str, meta: Any, clock_offsets: Mapping[str, float],
+                now: float | None = None) -> str | None:
+        """Why ``req_id``'s READ (``meta``: vLLM's ReqMeta, its prefill handshaken, its
+        offset in ``clock_offsets``) must not start, or None."""
+        if req_id not in self._expires or meta.remote is None:
+            return None
+        if not any(meta.local_physical_block_ids or ()):
+            return None  # nothing to READ (full local hit, abort): only a notification
+        offset = clock_offsets.get(meta.remote.engine_id)
+        if offset is None:
+            return None  # not handshaken (vLLM's path handshakes, then calls again)
+        value = self._expires.pop(req_id)
+        return refusal(value, offset, time.perf_counter() if now is None else now,
+                       self.margin)
+
+    def prune(self, alive: Container[str]) -> None:
+        """Forget requests that are no longer being received."""
+        for rid in [r for r in self._expires if r not in alive]:
+            del self._expires[rid]
+
+    @staticmethod
+    def log(req_id: str, engine_id: str, why: str) -> None:
+        logger.error("kvstage lease check: not reading request %s from engine %s: %s. "
+                     "Failing its KV load (kv_load_failure_policy applies)",
+                     req_id, engine_id, why)

