@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstage.serving.instances import Instance, ServingError
-from kvstage.testing.vllm_engines import (
+from kvstage.serving.kv_config import (
     KVSTAGE_CONNECTOR,
     VLLM_HOST_PATH_CONNECTOR,
     free_ports,

@@ -29,6 +29,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.serving.kv_config import (  # noqa: F401  (re-exported for tests, benches)
+    KVSTAGE_CONNECTOR,
+    VLLM_HOST_PATH_CONNECTOR,
+    free_ports,
+    kv_transfer_config,
+    side_channel_env,
+)
+
 
 class EngineError(RuntimeError):
     """The engine child died, refused to start, or did not answer in time."""
@@ -327,47 +335,6 @@ def _held(llm: Any, steps: int, interval_s: float) -> dict[str, Any]:
 
 if __name__ == "__main__":
     _serve(EngineSpec(**json.loads(sys.argv[1])))
-
-
-# Connectors the tests and benches compare: (class name, module path).
-KVSTAGE_CONNECTOR = ("KVStageConnector", "kvstage.integrations.vllm")
-VLLM_HOST_PATH_CONNECTOR = ("VLLMHostPathConnector", "kvstage.testing.vllm_baseline")
-
-
-def kv_transfer_config(
-    connector: tuple[str, str], role: str, **extra_config: Any
-) -> dict[str, Any]:
-    """A ``kv_transfer_config`` with the host path forced on (CPU platform)."""
-    name, module = connector
-    return {
-        "kv_connector": name,
-        "kv_connector_module_path": module,
-        "kv_role": role,
-        "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"kvstage_force_host_buffer": True, **extra_config},
-    }
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (NIXL side channels).
-
-    All sockets stay bound until every port is picked: closing each one first would let the
-    kernel hand the same port out twice.
-    """
-    import socket
-
-    socks = [socket.socket() for _ in range(count)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def side_channel_env(port: int) -> dict[str, str]:
-    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
 
 
 # What a proxy sends the prefill instance: "decode happens elsewhere, keep the blocks".
