@@ -30,14 +30,9 @@ PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID, "<unk>": UNK_ID}
 
 
-def build_tiny_gemma3(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny model to ``path`` (created if missing) and return it."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    config = Gemma3TextConfig(
+def shared_config_kwargs() -> dict[str, object]:
+    """The config fields both tiny models share (KV shapes, specials, dtype)."""
+    return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=2 * HIDDEN_SIZE,
@@ -45,19 +40,37 @@ def build_tiny_gemma3(path: str | Path, *, seed: int = 0) -> Path:
         num_attention_heads=2,
         num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=["sliding_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         dtype="float32",
     )
+
+
+def save_tiny_model(model_cls: type, config: object, path: str | Path, seed: int) -> Path:
+    """Seed, build ``model_cls(config)``, write it and the word-level tokenizer to ``path``."""
+    import torch
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
+    model = model_cls(config)
     model.save_pretrained(out, safe_serialization=True)
     build_word_tokenizer(out)
     return out
+
+
+def build_tiny_gemma3(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny model to ``path`` (created if missing) and return it."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        **shared_config_kwargs(),
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
+    )
+    return save_tiny_model(Gemma3ForCausalLM, config, path, seed)
 
 
 def word(token_id: int) -> str:
