@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 
 from kvstage.errors import PoolExhausted
-from kvstage.layout import KVLayout, SlidingWindowSpec
+from kvstage.layout import KVLayout, MambaSpec, SlidingWindowSpec
 
 NULL_BLOCK = 0
 
@@ -332,13 +332,18 @@ def _validate(flat: np.ndarray, sizes: np.ndarray, num_blocks: int) -> np.ndarra
 
 
 def clip_to_window(groups: Sequence[Sequence[int]], layout: KVLayout) -> list[list[int]]:
-    """Keep the last cdiv(window, block_size) + 1 ids of every sliding-window group
-    (what vLLM exchanges); full-attention groups are kept whole."""
+    """Keep the last cdiv(window, block_size) + 1 ids of every sliding-window group and
+    the running-state slot of every state group (the last id before the speculative
+    scratch slots), as vLLM exchanges them; full-attention groups are kept whole."""
     if len(groups) != layout.num_groups:
         raise ValueError(f"expected {layout.num_groups} id lists, got {len(groups)}")
     out = []
     for ids, group in zip(groups, layout.groups, strict=True):
         spec = group.spec
+        if isinstance(spec, MambaSpec):
+            scratch = min(spec.num_speculative_blocks, max(len(ids) - 1, 0))
+            out.append(list(ids)[: len(ids) - scratch][-1:])
+            continue
         keep = spec.blocks_per_window if isinstance(spec, SlidingWindowSpec) else len(ids)
         out.append(list(ids)[-keep:] if keep else [])
     return out

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from kvstage.errors import LayoutMismatch
-from kvstage.layout import AttentionSpec, CacheLayout, KVGroup, KVLayout
+from kvstage.layout import CacheLayout, KVGroup, KVLayout, KVSpec
 
 
 class HostLayout(enum.Enum):
@@ -42,7 +42,7 @@ class HostLayout(enum.Enum):
     MIRROR = "mirror"
 
 
-def _layer_shape(layout: KVLayout, spec: AttentionSpec) -> tuple[int, ...]:
+def _layer_shape(layout: KVLayout, spec: KVSpec) -> tuple[int, ...]:
     block = spec.block_shape
     if layout.cache_layout is CacheLayout.KV_SPLIT:
         return (2, layout.num_blocks, *block[1:])
@@ -56,6 +56,8 @@ def _layer_views(layout: KVLayout, tensors: Sequence[torch.Tensor]) -> dict[str,
         shape = _layer_shape(layout, group.spec)
         for t, name in enumerate(group.layer_names):
             plane = tensors[t]  # [P, NB, E]
+            if plane.dtype != group.spec.torch_dtype:  # a byte-addressed (mixed-dtype) pool
+                plane = plane.view(group.spec.torch_dtype)
             if layout.cache_layout is CacheLayout.PACKED:
                 views[name] = plane[0].unflatten(-1, shape[1:])
             else:
@@ -217,7 +219,7 @@ class KVCache:
 
 def layout_from_layers(
     layers: Mapping[str, torch.Tensor],
-    groups: Sequence[tuple[Sequence[str], AttentionSpec]],
+    groups: Sequence[tuple[Sequence[str], KVSpec]],
     *,
     cache_layout: CacheLayout = CacheLayout.PACKED,
     name: str = "",

@@ -1,4 +1,4 @@
-"""KV cache layout: attention specs, KV cache groups, physical tensors, model presets.
+"""KV cache layout: attention and state specs, KV cache groups, physical tensors.
 
 A hybrid model's layers are bucketed by spec and cut into KV cache groups (vLLM's
 rule, `group_layers`). Physical tensor i is shared by layer i of every group that has
@@ -11,37 +11,38 @@ and a whole cache as ``[num_tensors, num_planes, num_blocks, plane_elems]``:
   ``[num_blocks, block_size, head_size]``).
 - ``CacheLayout.KV_SPLIT`` (block dim 1): K and V planes; a layer's view is
   ``[2, num_blocks, block_size, num_kv_heads, head_size]``.
+
+State groups (`MambaSpec`: Mamba1/2, gated delta net, short conv, linear attention) hold a
+request's running recurrent state, not a page per token: one block (plus speculative
+scratch slots) whatever the prompt length. A state block is an opaque page (conv state then
+SSM state, each ``shapes[i]`` of ``dtypes[i]``, padded to the attention page as vLLM
+unifies page sizes), so its layer view is ``[num_blocks, page_elems]``. A pool whose groups
+have different dtypes (bf16 attention + fp32 SSM state) is addressed in bytes
+(`KVLayout.storage_dtype` uint8): the copies move bytes, never values.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _require_positive(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(
-                f"{owner}.{name} must be a positive int, got {value!r}; "
-                f"pass e.g. {name}=16"
-            )
+from kvstage.specs import (  # noqa: F401  (re-exported: kvstage.layout is the public home)
+    CONV_LAYOUTS,
+    DTYPES,
+    MAMBA_TYPES,
+    AttentionSpec,
+    FullAttentionSpec,
+    KVSpec,
+    MambaSpec,
+    MLASpec,
+    SlidingWindowSpec,
+    _require_positive,
+    cdiv,
+    dtype_name,
+)
 
 
 class CacheLayout(enum.Enum):
@@ -56,110 +57,20 @@ class CacheLayout(enum.Enum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AttentionSpec:
-    """Base of the attention specs: K and V of ``num_kv_heads`` heads of ``head_size`` per
-    token. Use a concrete subclass (`FullAttentionSpec`, `SlidingWindowSpec`, `MLASpec`);
-    as in vLLM's ``kv_cache_interface``, groups are bucketed by spec equality, which
-    includes the class."""
-
-    block_size: int
-    num_kv_heads: int
-    head_size: int
-    dtype: str = "bfloat16"
-
-    def __post_init__(self) -> None:
-        _require_positive(
-            type(self).__name__,
-            block_size=self.block_size,
-            num_kv_heads=self.num_kv_heads,
-            head_size=self.head_size,
-        )
-        if self.dtype not in DTYPES:
-            raise ValueError(
-                f"{type(self).__name__}.dtype must be one of {sorted(DTYPES)}, "
-                f"got {self.dtype!r}"
-            )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def dtype_bytes(self) -> int:
-        return self.torch_dtype.itemsize
-
-    @property
-    def num_kv_planes(self) -> int:
-        """2 (K and V); MLA stores a single latent plane."""
-        return 2
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        """Shape of one block of one layer, planes first."""
-        return (self.num_kv_planes, self.block_size, self.num_kv_heads, self.head_size)
-
-    @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one block of one layer (llama-3.1-8b: 2*16*8*128*2 = 64 KiB)."""
-        return math.prod(self.block_shape) * self.dtype_bytes
-
-    def max_blocks_per_request(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
-
-
-@dataclass(frozen=True, kw_only=True)
-class FullAttentionSpec(AttentionSpec):
-    """Full attention: every token of the request is attended, so every block moves."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class SlidingWindowSpec(AttentionSpec):
-    """Sliding-window attention: only the last ``sliding_window`` tokens are attended."""
-
-    sliding_window: int
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _require_positive("SlidingWindowSpec", sliding_window=self.sliding_window)
-
-    @property
-    def blocks_per_window(self) -> int:
-        """vLLM's exchange clip: cdiv(window, block_size) + 1 (512 / 16 -> 33)."""
-        return cdiv(self.sliding_window, self.block_size) + 1
-
-    def max_blocks_per_request(self, num_tokens: int) -> int:
-        return min(super().max_blocks_per_request(num_tokens), self.blocks_per_window)
-
-
-@dataclass(frozen=True, kw_only=True)
-class MLASpec(AttentionSpec):
-    """Multi-head latent attention: one plane of ``head_size`` = latent + rope dims."""
-
-    num_kv_heads: int = 1
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.num_kv_heads != 1:
-            raise ValueError(f"MLASpec.num_kv_heads must be 1, got {self.num_kv_heads}")
-
-    @property
-    def num_kv_planes(self) -> int:
-        return 1
-
-    @property
-    def block_shape(self) -> tuple[int, ...]:
-        return (self.block_size, self.head_size)
-
-
-@dataclass(frozen=True, kw_only=True)
 class KVGroup:
     """Layers that share one block table (and one spec)."""
 
     group_id: int
     layer_names: tuple[str, ...]
-    spec: AttentionSpec
+    spec: KVSpec
 
     def __post_init__(self) -> None:
+        if not isinstance(self.spec, AttentionSpec | MambaSpec):
+            raise TypeError(
+                f"KVGroup {self.group_id}: kvstage does not handle {type(self.spec).__name__} "
+                "layers; a group's spec is one of FullAttentionSpec, SlidingWindowSpec, "
+                "MLASpec, MambaSpec"
+            )
         if not self.layer_names:
             raise ValueError(f"KVGroup {self.group_id} has no layers; every group needs >= 1")
 
@@ -211,18 +122,23 @@ class KVLayout:
         first = self.groups[0].spec
         for group in self.groups[1:]:
             spec = group.spec
-            if spec.page_size_bytes != first.page_size_bytes or spec.dtype != first.dtype:
+            if spec.page_size_bytes != first.page_size_bytes:
                 raise ValueError(
-                    f"group {group.group_id} has page {spec.page_size_bytes} B {spec.dtype}, "
-                    f"group 0 has {first.page_size_bytes} B {first.dtype}: groups sharing "
-                    "physical tensors need one page size and dtype (pad or rescale block sizes)"
+                    f"group {group.group_id} has page {spec.page_size_bytes} B, group 0 has "
+                    f"{first.page_size_bytes} B: groups sharing physical tensors need one "
+                    "page size (scale attention block sizes, pad state pages, as vLLM does)"
                 )
-            if spec.num_kv_planes != first.num_kv_planes:
-                raise ValueError("all groups must have the same number of planes (K/V vs MLA)")
-        if self.cache_layout is CacheLayout.KV_SPLIT and first.num_kv_planes != 2:
+        if self.cache_layout is CacheLayout.KV_SPLIT and any(
+            g.spec.num_kv_planes != 2 for g in self.groups
+        ):
             raise ValueError(
-                "CacheLayout.KV_SPLIT needs K and V planes; MLA has one latent plane: "
-                "use CacheLayout.PACKED"
+                "CacheLayout.KV_SPLIT needs K and V planes in every group; MLA latents and "
+                "state pages have one plane: use CacheLayout.PACKED"
+            )
+        if self.page_size_bytes % DTYPES[self.storage_dtype].itemsize:
+            raise ValueError(
+                f"page of {self.page_size_bytes} B is not a whole number of "
+                f"{self.storage_dtype} elements"
             )
         num_tensors = max(len(g.layer_names) for g in self.groups)
         tensors = tuple(
@@ -252,12 +168,38 @@ class KVLayout:
         return sum(len(g.layer_names) for g in self.groups)
 
     @property
-    def spec(self) -> AttentionSpec:
+    def spec(self) -> KVSpec:
         return self.groups[0].spec
 
     @property
+    def storage_dtype(self) -> str:
+        """The dtype every group shares, else "uint8": the pool is then moved as bytes
+        (bf16 attention pages beside fp32 SSM state)."""
+        names = {g.spec.dtype for g in self.groups}
+        return names.pop() if len(names) == 1 else "uint8"
+
+    @property
     def torch_dtype(self) -> torch.dtype:
-        return self.spec.torch_dtype
+        return DTYPES[self.storage_dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+    @property
+    def token_spec(self) -> AttentionSpec | None:
+        """The first attention group's spec (None for a pool of state groups only)."""
+        return next((g.spec for g in self.groups if isinstance(g.spec, AttentionSpec)), None)
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the attention groups (state slots do not count tokens)."""
+        spec = self.token_spec
+        return (spec or self.spec).block_size
+
+    @property
+    def has_state(self) -> bool:
+        return any(isinstance(g.spec, MambaSpec) for g in self.groups)
 
     @property
     def page_size_bytes(self) -> int:
@@ -270,7 +212,7 @@ class KVLayout:
 
     @property
     def plane_elems(self) -> int:
-        return self.page_size_bytes // self.spec.dtype_bytes // self.num_planes
+        return self.page_size_bytes // self.dtype_bytes // self.num_planes
 
     @property
     def canonical_shape(self) -> tuple[int, int, int, int]:
@@ -288,7 +230,8 @@ class KVLayout:
 
     @property
     def layer_shape(self) -> tuple[int, ...]:
-        """The per-layer tensor shape vLLM hands to the connector."""
+        """Group 0's per-layer tensor shape (``[num_blocks, *block]``; K/V split:
+        ``[2, num_blocks, *block[1:]]``)."""
         block = self.spec.block_shape
         if self.cache_layout is CacheLayout.KV_SPLIT:
             return (2, self.num_blocks, *block[1:])
@@ -348,7 +291,7 @@ def _check_groups(mine: tuple[KVGroup, ...], theirs: tuple[KVGroup, ...]) -> Non
                 )
 
 
-def group_layers(layers: list[tuple[str, AttentionSpec]]) -> tuple[KVGroup, ...]:
+def group_layers(layers: Sequence[tuple[str, KVSpec]]) -> tuple[KVGroup, ...]:
     """vLLM's grouping rule for hybrid models (uniform page size).
 
     Layers are bucketed by identical spec, in order of first appearance. group_size is
@@ -358,7 +301,7 @@ def group_layers(layers: list[tuple[str, AttentionSpec]]) -> tuple[KVGroup, ...]
     """
     if not layers:
         raise ValueError("group_layers needs at least one (name, spec) pair")
-    buckets: dict[AttentionSpec, list[str]] = {}
+    buckets: dict[KVSpec, list[str]] = {}
     for name, spec in layers:
         buckets.setdefault(spec, []).append(name)
     sizes = [len(v) for v in buckets.values()]

@@ -69,8 +69,8 @@ def assert_one_line(proc: subprocess.CompletedProcess[str], *expected: str) -> s
         (["bench", "transfer", "--pipeline", "--sizes-mib", "60000"],
          ["--sizes-mib 60000 (gemma-3-1b, ", "-block pools, 6 of them", "lower --sizes-mib"]),
         (["bench", "soak", "--pool-mib", "4096", "--transport", "loopback"],
-         ["--pool-mib 4096 (5 pairs of prefill and decode, each side a device pool and a host "
-          "buffer) needs 80.0 GiB of host memory"]),
+         ["--pool-mib 4096 (8 pairs of prefill and decode, each side a device pool and a host "
+          "buffer) needs 128.0 GiB of host memory"]),
     ],
     ids=["copy-blocks-per-request", "copy-prompt-tokens", "copy-tokens-no-preset",
          "transfer-num-blocks", "pipeline-sizes", "soak-pool"],

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.errors import InvalidArgument
 
 import kvstage as ks
-from kvstage.layout import MLASpec
 from kvstage.plan import INDEX_BYTES, find_runs, split_runs
+from kvstage.presets import STATE_PRESETS, cache_layouts_for, synthetic_hybrid_layout
 from kvstage.testing.baselines import make_engine
 
 
@@ -60,9 +60,13 @@ def layouts(draw: st.DrawFn) -> ks.KVLayout:
             dtype=draw(st.sampled_from(DTYPES)),
             cache_layout=draw(st.sampled_from(list(ks.CacheLayout))),
         )
-    name = draw(st.sampled_from(sorted(ks.PRESETS)))
-    is_mla = isinstance(ks.preset(name, num_blocks=2).spec, MLASpec)
-    cache = ks.CacheLayout.PACKED if is_mla else draw(st.sampled_from(list(ks.CacheLayout)))
+    if draw(st.booleans()):  # Mamba2 + attention, bf16 pages beside fp32 state (bytes)
+        return synthetic_hybrid_layout(
+            num_attention=draw(st.integers(1, 3)), num_state=draw(st.integers(1, 9)),
+            num_blocks=draw(st.integers(2, 40)), alignment=draw(st.sampled_from([1, 2, 4])),
+        )
+    name = draw(st.sampled_from([n for n in sorted(ks.PRESETS) if n not in STATE_PRESETS]))
+    cache = draw(st.sampled_from(cache_layouts_for(name)))
     return ks.preset(name, num_blocks=draw(st.integers(2, 16)),
                      block_size=draw(st.sampled_from([1, 2])), cache_layout=cache)
 

@@ -277,17 +277,23 @@ def test_mismatched_page_sizes() -> None:
         KVGroup(group_id=0, layer_names=("a",), spec=_spec()),
         KVGroup(group_id=1, layer_names=("b",), spec=_spec(head_size=16)),
     )
-    with pytest.raises(ValueError, match="one page size and dtype"):
+    with pytest.raises(ValueError, match="group 1 has page 1024 B, group 0 has 512 B"):
         KVLayout(num_blocks=8, groups=groups)
 
 
-def test_mismatched_dtype_same_page() -> None:
+def test_mixed_dtypes_same_page_are_moved_as_bytes() -> None:
+    """Groups of one page size but other dtypes (bf16 attention beside fp32 SSM state in
+    vLLM's hybrid pools) share tensors: the pool is addressed as uint8, never converted."""
     groups = (
         KVGroup(group_id=0, layer_names=("a",), spec=_spec(dtype="float16")),
         KVGroup(group_id=1, layer_names=("b",), spec=_spec(dtype="bfloat16")),
     )
-    with pytest.raises(ValueError, match="one page size and dtype"):
-        KVLayout(num_blocks=8, groups=groups)
+    lay = KVLayout(num_blocks=8, groups=groups)
+    assert lay.storage_dtype == "uint8"
+    assert lay.plane_elems == lay.page_size_bytes
+    same = KVLayout(num_blocks=8, groups=(groups[0],))
+    assert same.storage_dtype == "float16"
+    assert same.plane_elems == same.page_size_bytes // 2
 
 
 def test_duplicate_layer_names() -> None:

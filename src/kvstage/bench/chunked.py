@@ -117,7 +117,7 @@ def measure(layout: KVLayout, sizes_blocks: dict[int, int], *, iters: int, warmu
 def _size(prefill: PrefillWorker, compute: _Compute, mib: int, ids: list[list[int]],
           iters: int, warmup: int) -> dict[str, Any]:
     layout, cuda = prefill.layout, compute.cuda
-    ranges = chunk_ranges(len(ids[0]), layout.groups[0].spec.block_size)
+    ranges = chunk_ranges(len(ids[0]), layout.block_size)
     chunks = [[g[a:b] for g in ids] for a, b in ranges]
     counter = iter(range(1 << 30))
 

@@ -122,7 +122,7 @@ def _resolve(args: argparse.Namespace) -> None:
             err("--groups/--num-layers do not apply with --preset: the model fixes them")
         args.prompt_tokens = args.prompt_tokens or DEFAULT_PROMPTS
         probe = preset(args.preset, num_blocks=2)
-        need = probe.num_groups * cdiv(max(args.prompt_tokens), probe.spec.block_size) + 1
+        need = probe.num_groups * cdiv(max(args.prompt_tokens), probe.block_size) + 1
         if args.num_blocks is not None and args.num_blocks < need:
             err(f"--num-blocks {args.num_blocks} cannot hold a {max(args.prompt_tokens)}-token "
                 f"prompt of {args.preset}: every group allocates before SW clipping; "

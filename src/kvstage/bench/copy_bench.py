@@ -49,7 +49,7 @@ class Bench:
                 self.variants[name] = (engine, h)
         # the memcpy reference: one contiguous copy_ of fused's bytes, host <-> device
         # (in the KV dtype, so the same copy kernel runs; only the strides differ)
-        n = self.plan.nbytes // case.layout.spec.dtype_bytes
+        n = self.plan.nbytes // case.layout.dtype_bytes
         dtype = case.layout.torch_dtype
         self.dev_flat = torch.ones(n, dtype=dtype, device=args.device)
         self.host_flat = torch.ones(n, dtype=dtype, pin_memory=self.cuda)

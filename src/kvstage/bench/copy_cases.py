@@ -55,7 +55,7 @@ def prompt_layout(args: argparse.Namespace, tokens: int) -> KVLayout:
     """The preset at the pool of a ``tokens`` prompt case: ``--num-blocks``, else every
     group's full allocation before sliding-window clipping, plus the null block."""
     probe = preset(args.preset, num_blocks=2)
-    full = cdiv(tokens, probe.spec.block_size)
+    full = cdiv(tokens, probe.block_size)
     return preset(args.preset, num_blocks=args.num_blocks or probe.num_groups * full + 1)
 
 
@@ -99,7 +99,7 @@ def _prompt_case(args: argparse.Namespace, tokens: int) -> Case:
     and free the rest."""
     layout = prompt_layout(args, tokens)
     num_blocks = layout.num_blocks
-    full = cdiv(tokens, layout.spec.block_size)
+    full = cdiv(tokens, layout.block_size)
     scattered = args.ids == "scattered"
     pool = _churned_pool(num_blocks, args.seed) if scattered else BlockPool(num_blocks)
     allocated = [pool.allocate(full) for _ in layout.groups]

