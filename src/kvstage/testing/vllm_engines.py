@@ -52,7 +52,9 @@ class EngineSpec:
     max_model_len: int = 512
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 16
-    block_size: int = 32  # vLLM's CPU attention aligns this hybrid model's blocks to 32
+    # vLLM's CPU attention aligns the tiny Gemma3's blocks to 32; None: vLLM picks (state
+    # hybrids: it grows the attention block until a page holds a state slot)
+    block_size: int | None = 32
     kv_cache_bytes: int = 64 << 20  # the KV pool (8192 blocks of the tiny model)
     cpu_core: int = 0
     dtype: str = "float32"
@@ -270,11 +272,12 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
         "max_model_len": spec.max_model_len,
         "max_num_batched_tokens": spec.max_num_batched_tokens,
         "max_num_seqs": spec.max_num_seqs,
-        "block_size": spec.block_size,
         "enable_prefix_caching": False,
         "seed": 0,
         "kv_cache_memory_bytes": spec.kv_cache_bytes,
     }
+    if spec.block_size is not None:
+        engine_args["block_size"] = spec.block_size
     if spec.kv_transfer_config is not None:
         engine_args["kv_transfer_config"] = spec.kv_transfer_config
     llm = LLM(**engine_args)

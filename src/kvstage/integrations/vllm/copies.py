@@ -35,6 +35,7 @@ memory, one synchronisation per call (vLLM's host path expects the copy done on 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,67 +43,145 @@ import torch
 
 from kvstage.cache import HostBuffer, KVCache, layout_from_layers
 from kvstage.engine import CopyEngine, Direction
-from kvstage.layout import DTYPES, AttentionSpec, FullAttentionSpec, MLASpec, SlidingWindowSpec
+from kvstage.layout import (
+    DTYPES,
+    FullAttentionSpec,
+    KVSpec,
+    MambaSpec,
+    MLASpec,
+    SlidingWindowSpec,
+    dtype_name,
+)
 from kvstage.plan import runs_of_ids
 
-_DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
-
-def _rows(name: str, t: torch.Tensor) -> torch.Tensor:
-    """``[num_blocks, page_elems]`` over the bytes of layer ``t`` (blocks on dim 0, each
-    block one dense range whatever the order of the dims inside it)."""
-    if t.dim() < 2:
-        raise ValueError(f"layer {name!r}: expected [num_blocks, ...], got shape {list(t.shape)}")
-    nb = t.shape[0]
-    page = t.numel() // nb
-    inner = sorted((st, n) for st, n in zip(t.stride()[1:], t.shape[1:], strict=True) if n > 1)
-    span = 1
-    for st, n in inner:
-        if st != span:
-            break
-        span *= n
-    if t.stride(0) != page or span != page:
+def _rows(name: str, t: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_blocks, page]`` rows of ``dtype`` over the bytes of layer ``t``'s LOGICAL
+    blocks: vLLM hands attention layers as kernel blocks (``num_blocks x r`` rows of
+    ``page / r``) and state layers as ``[num_blocks, 1, 1, state bytes]`` int8 views whose
+    block stride is the padded page; both become the same rows of one page per block id of
+    vLLM's block pool, so the ids of every group index one space."""
+    if t.dim() < 2 or t.shape[0] % num_blocks:
+        raise ValueError(
+            f"layer {name!r}: expected [num_blocks x r, ...] with num_blocks {num_blocks}, got "
+            f"shape {list(t.shape)}"
+        )
+    item = t.element_size()
+    ratio = t.shape[0] // num_blocks
+    page = t.stride(0) * item * ratio  # bytes from one logical block to the next
+    offset = t.storage_offset() * item
+    reach = (ratio - 1) * t.stride(0) * item + sum(
+        (n - 1) * st * item for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)
+    ) + item
+    storage = t.untyped_storage()
+    if (page <= 0 or reach > page or offset + num_blocks * page > storage.nbytes()
+            or page % dtype.itemsize or offset % dtype.itemsize):
         raise ValueError(
             f"layer {name!r} (shape {list(t.shape)}, stride {list(t.stride())}) is not "
             "[num_blocks, ...] with each block one dense range; kvstage's connector needs "
             "vLLM's block-first KV layouts"
         )
-    return t.as_strided((nb, page), (page, 1))
+    raw = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+    rows = raw.as_strided((num_blocks, page), (page, 1), offset)
+    return rows.view(dtype) if dtype != torch.uint8 else rows
 
 
-def _spec(vllm_spec: Any, page_elems: int, dtype: torch.dtype) -> AttentionSpec:
-    """A kvstage spec with vLLM's heads and head size whose page is ``page_elems``."""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        raise ValueError(f"KV cache dtype {dtype} is not one kvstage copies ({sorted(DTYPES)})")
-    heads, head = int(vllm_spec.num_kv_heads), int(vllm_spec.head_size)
-    mla = "MLA" in type(vllm_spec).__name__
-    per_token = head if mla else 2 * heads * head
-    if page_elems % per_token:
-        raise ValueError(
-            f"a block of {page_elems} elements is not a whole number of tokens of "
-            f"{per_token} ({type(vllm_spec).__name__}: {heads} heads x {head})"
+#: vLLM spec class -> how kvstage copies it (ChunkedLocalAttentionSpec keeps every block,
+#: as full attention: a superset of what its layers read, byte-exact)
+_ATTENTION_SPECS = {
+    "FullAttentionSpec": "full", "SinkFullAttentionSpec": "full",
+    "ChunkedLocalAttentionSpec": "full", "SlidingWindowSpec": "sliding_window",
+    "MLAAttentionSpec": "mla",
+}
+#: vLLM's MambaAttentionBackendEnum member -> kvstage's MambaSpec.mamba_type
+_MAMBA_TYPES = {
+    "MAMBA1": "mamba1", "MAMBA2": "mamba2", "GDN_ATTN": "gdn_attention",
+    "SHORT_CONV": "short_conv", "LINEAR": "linear_attention",
+}
+SUPPORTED_SPECS = (*_ATTENTION_SPECS, "MambaSpec (" + ", ".join(_MAMBA_TYPES) + ")")
+
+
+def unsupported(vllm_spec: Any, model: str) -> str | None:
+    """The one-line refusal for a vLLM spec kvstage cannot copy, or None."""
+    kind = type(vllm_spec).__name__
+    if kind == "MambaSpec":
+        mtype = getattr(getattr(vllm_spec, "mamba_type", None), "name", None)
+        if mtype in _MAMBA_TYPES:
+            return None
+        kind = f"MambaSpec({mtype})"
+    elif kind in _ATTENTION_SPECS:
+        return None
+    return (
+        f"kvstage does not handle {kind} layers ({model or 'this model'}); it copies "
+        f"{', '.join(SUPPORTED_SPECS)}: serve this model with vLLM's own connector"
+    )
+
+
+def _spec(vllm_spec: Any, page_bytes: int, model: str = "") -> KVSpec:
+    """A kvstage spec for vLLM's ``vllm_spec`` whose logical page is ``page_bytes``."""
+    why = unsupported(vllm_spec, model)
+    if why:
+        raise ValueError(why)
+    if type(vllm_spec).__name__ == "MambaSpec":
+        return MambaSpec(
+            block_size=int(vllm_spec.block_size),
+            shapes=tuple(tuple(int(n) for n in shape) for shape in vllm_spec.shapes),
+            dtypes=tuple(dtype_name(d) for d in vllm_spec.dtypes),
+            page_size_padded=page_bytes,
+            mamba_type=_MAMBA_TYPES[vllm_spec.mamba_type.name],
+            conv_layout=os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "DS").upper(),
+            num_speculative_blocks=int(getattr(vllm_spec, "num_speculative_blocks", 0)),
         )
-    block_size = page_elems // per_token
+    name = dtype_name(vllm_spec.dtype)
+    item = DTYPES[name].itemsize
+    heads, head = int(vllm_spec.num_kv_heads), int(vllm_spec.head_size)
+    mla = _ATTENTION_SPECS[type(vllm_spec).__name__] == "mla"
+    per_token = (head if mla else 2 * heads * head) * item
+    if page_bytes % per_token:
+        raise ValueError(
+            f"a block of {page_bytes} B is not a whole number of tokens of {per_token} B "
+            f"({type(vllm_spec).__name__}: {heads} heads x {head})"
+        )
+    block_size = page_bytes // per_token
     if mla:
         return MLASpec(block_size=block_size, head_size=head, dtype=name)
     window = getattr(vllm_spec, "sliding_window", None)
-    if window:
+    if window and _ATTENTION_SPECS[type(vllm_spec).__name__] == "sliding_window":
         return SlidingWindowSpec(block_size=block_size, num_kv_heads=heads, head_size=head,
                                  dtype=name, sliding_window=int(window))
     return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head,
                              dtype=name)
 
 
+def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
+    return t.stride(0) * t.element_size() * (t.shape[0] // max(num_blocks, 1))
+
+
 def kvstage_groups(
-    groups: Sequence[tuple[Sequence[str], Any]], device_caches: Mapping[str, torch.Tensor]
-) -> list[tuple[list[str], AttentionSpec]]:
-    """vLLM's ``(layer_names, kv_cache_spec)`` per group -> kvstage ``(names, spec)``."""
+    groups: Sequence[tuple[Sequence[str], Any]],
+    device_caches: Mapping[str, torch.Tensor],
+    num_blocks: int | None = None,
+    model: str = "",
+) -> list[tuple[list[str], KVSpec]]:
+    """vLLM's ``(layer_names, kv_cache_spec)`` per group -> kvstage ``(names, spec)``, pages
+    sized per LOGICAL block (``num_blocks``: vLLM's ``kv_cache_config.num_blocks``; by
+    default the first layer's rows). A spec kvstage cannot copy: ValueError, one line."""
+    if num_blocks is None:
+        num_blocks = int(device_caches[groups[0][0][0]].shape[0])
+    for _names, vllm_spec in groups:  # every refusal before any work
+        why = unsupported(vllm_spec, model)
+        if why:
+            raise ValueError(why)
     out = []
     for names, vllm_spec in groups:
         first = device_caches[names[0]]
-        out.append((list(names), _spec(vllm_spec, first.numel() // first.shape[0], first.dtype)))
+        out.append((list(names), _spec(vllm_spec, _page_bytes(first, num_blocks), model)))
     return out
+
+
+def _storage_dtype(groups: Sequence[tuple[Sequence[str], KVSpec]]) -> torch.dtype:
+    names = {spec.dtype for _, spec in groups}
+    return DTYPES[names.pop()] if len(names) == 1 else torch.uint8
 
 
 class EngineCopyOp:
@@ -112,11 +191,15 @@ class EngineCopyOp:
         self,
         device_caches: Mapping[str, torch.Tensor],
         host_caches: Mapping[str, torch.Tensor],
-        groups: Sequence[tuple[Sequence[str], AttentionSpec]],
+        groups: Sequence[tuple[Sequence[str], KVSpec]],
+        num_blocks: int | None = None,
     ) -> None:
         names = [n for g, _ in groups for n in g]
-        device = {n: _rows(n, device_caches[n]) for n in names}
-        host = {n: _rows(n, host_caches[n]) for n in names}
+        if num_blocks is None:
+            num_blocks = int(device_caches[names[0]].shape[0])
+        dtype = _storage_dtype(groups)
+        device = {n: _rows(n, device_caches[n], num_blocks, dtype) for n in names}
+        host = {n: _rows(n, host_caches[n], num_blocks, dtype) for n in names}
         for n in names:
             d, h = device_caches[n], host_caches[n]
             if (d.shape, d.stride(), d.dtype) != (h.shape, h.stride(), h.dtype):
@@ -132,6 +215,8 @@ class EngineCopyOp:
             mode="direct",
         )
         self._device, self._host = device_caches, host_caches
+        #: bytes one block id moves over every physical tensor (what the stats count)
+        self.block_bytes = self.layout.block_bytes
 
     def __call__(
         self,

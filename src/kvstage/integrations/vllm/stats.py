@@ -205,7 +205,9 @@ class MeteredCopy:
         stats = self._stats_of()
         if stats is None or direction not in DIRECTIONS:
             return
-        per_block = self._block_bytes.get(id(dst_caches))
+        # kvstage's op knows what one id moves (whole logical pages of every tensor); for
+        # another op, the distinct views' first blocks
+        per_block = getattr(self.op, "block_bytes", None) or self._block_bytes.get(id(dst_caches))
         if per_block is None:  # the caches live as long as the worker: compute once
             per_block = self._block_bytes[id(dst_caches)] = block_bytes(dst_caches)
         blocks = len(set(dst_block_ids))

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
     NixlHandshakePayload,
 )
 from vllm.logger import init_logger
+from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
@@ -26,6 +27,12 @@ from kvstage.integrations.vllm.settings import (
     HASH_PREFIX,
     force_host_buffer,
     sleeping_progress_thread,
+)
+from kvstage.integrations.vllm.state import (
+    copy_logical,
+    logical_ids,
+    refuse_unservable,
+    state_group_flags,
 )
 from kvstage.integrations.vllm.stats import KVStageStats, metered_copy_blocks
 
@@ -49,6 +56,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
+        refuse_unservable(vllm_config, kv_cache_config)  # one line, before vLLM's asserts
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
         self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
@@ -82,10 +90,16 @@ class KVStageConnectorWorker(NixlConnectorWorker):
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
-        groups = [(g.layer_names, g.kv_cache_spec) for g in self.kv_cache_config.kv_cache_groups]
+        config = self.kv_cache_config
+        groups = [(g.layer_names, g.kv_cache_spec) for g in config.kv_cache_groups]
+        model = str(self.vllm_config.model_config.model)
+        # rows of LOGICAL blocks (vLLM's block pool ids): state groups' ids and attention
+        # groups' (kernel ids folded back) then index one space (state.py)
         self._copier = EngineCopyOp(
-            kv_caches, self.host_xfer_buffers, kvstage_groups(groups, kv_caches)
+            kv_caches, self.host_xfer_buffers,
+            kvstage_groups(groups, kv_caches, config.num_blocks, model), config.num_blocks,
         )
+        self._kvstage_state_groups = state_group_flags(config)
         # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
         # set ours now, so the path is complete whatever the platform.
         self.copy_blocks = self._copier
@@ -104,10 +118,27 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
         )
 
-    # opt-in checksum (checksums.py): digest after the save, verify before the h2d
+    # d2h and h2d of LOGICAL block ids (state.py: vLLM flattens kernel ids of attention
+    # groups with state groups' logical ids, two index spaces once a block is split); the
+    # opt-in checksum (checksums.py) digests after the save and verifies before the h2d
     def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
-        super().save_kv_to_host(metadata)
+        ratio = self._physical_blocks_per_logical_kv_block
+        for meta in metadata.reqs_to_save.values():
+            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
+                meta.local_block_ids, ratio
+            )
+        # the scheduler's ids are logical already (state.py); synchronous, as vLLM's
+        with gpu_sync_allowed():
+            copy_logical(self, "d2h", [[b for g in m.local_block_ids for b in g]
+                                       for m in metadata.reqs_to_save.values()])
         self._kvstage_checksums.after_save(metadata)
+
+    def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
+        del req_id
+        ids = logical_ids(meta.local_physical_block_ids,
+                          self._physical_blocks_per_logical_kv_block, self._kvstage_state_groups)
+        with gpu_sync_allowed():
+            copy_logical(self, "h2d", [ids])
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         self._kvstage_checksums.expect(metadata)
