@@ -1,4 +1,7 @@
-"""`kvstage tiny-model DIR`: build the tiny random hybrid Gemma3 with its tokenizer.
+"""`kvstage tiny-model [--arch A] DIR`: build a tiny random hybrid model with its tokenizer:
+the sliding-window Gemma3 (default), or a state-space / linear-attention hybrid (granite:
+GraniteMoeHybrid Mamba2 + attention, nemotron: NemotronH, falconh1: FalconH1, all float32;
+qwen3next: Qwen3-Next gated delta net + attention, bfloat16: serve it with --dtype bfloat16).
 
 Writes config, safetensors (fixed seed: byte-identical on every build) and a word-level
 tokenizer into DIR, for `kvstage serve-pd` and vLLM on CPU. Needs torch + transformers
@@ -22,7 +25,12 @@ def _out_dir(text: str) -> str:
     return text
 
 
+ARCHES = ("gemma3", "granite", "nemotron", "qwen3next", "falconh1")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="gemma3", choices=ARCHES,
+                   help="gemma3 (sliding window + full attention, default) or a state hybrid")
     p.add_argument("dir", type=_out_dir, help="output directory (created; a previous build "
                                               "there is overwritten)")
 
@@ -36,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
+    from kvstage.testing.tiny_hybrids import BUILDERS
 
-    print(build_tiny_gemma3(args.dir).resolve())
+    build = build_tiny_gemma3 if args.arch == "gemma3" else BUILDERS[args.arch]
+    print(build(args.dir).resolve())
     return 0

@@ -148,7 +148,10 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
             "--host", "127.0.0.1", "--port", str(port), *engine_args.argv()]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
-    child_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1"}
+    # DS: the conv state (dim, state_len), which vLLM's NIXL transfer of Mamba state needs;
+    # set on every instance (reference engines too: the same kernels), inert without Mamba
+    child_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+                 "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
     if side_channel_port is not None:
         child_env.update(side_channel_env(side_channel_port))
     unset: tuple[str, ...] = ()

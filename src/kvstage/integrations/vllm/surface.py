@@ -58,7 +58,13 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     (NIXL, "NixlConnectorWorker.register_kv_caches", "method"),
     (NIXL, "NixlConnectorWorker._nixl_handshake", "method"),
     (NIXL, "NixlConnectorWorker.get_kv_connector_stats", "method"),
-    (NIXL, "NixlConnectorWorker.save_kv_to_host", "method"),  # calls copy_blocks
+    (NIXL, "NixlConnectorWorker.save_kv_to_host", "method"),  # replaced: logical ids (state.py)
+    (NIXL, "NixlConnectorWorker.sync_recved_kv_to_device", "method"),  # replaced: same
+    (NIXL, "NixlConnectorWorker._logical_to_kernel_block_ids", "method"),  # save's meta
+    (NIXL, "NixlConnectorWorker._physical_blocks_per_logical_kv_block", "attr"),
+    (NIXL, "NixlConnectorWorker.device_kv_caches", "attr"),
+    ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed", "name"),  # around the copies, as vLLM
+    ("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first", "name"),
     (NIXL, "NixlConnectorWorker.sync_recved_kv_to_device", "method"),  # calls copy_blocks
     (NIXL, "NixlConnectorWorker.use_host_buffer", "attr"),
     (NIXL, "NixlConnectorWorker.host_xfer_buffers", "attr"),

@@ -1,0 +1,140 @@
+"""The connector's state-group pieces, on tensors shaped exactly as vLLM 0.32.0 hands them
+(scripts/probe_hybrid_kv.py on the tiny Granite: one int8 backing buffer; an attention layer
+``[num_blocks, 1, block, 2 x head]`` float32 and a Mamba layer ``[num_blocks, 1, 1, state
+bytes]`` int8 whose block stride is the padded page, both at offset 0): torch only, vLLM's
+spec objects stood in by classes of the same names and attributes.
+
+- `copies.EngineCopyOp` copies whole logical pages (state padding included) of every
+  physical tensor for the ids given, and nothing else; with attention split into kernel
+  blocks (r = 2) the same logical rows.
+- `state.logical_ids` folds kernel ids back to logical ones; state ids stay.
+- `copies.unsupported` / `kvstage_groups` refuse other specs in one line naming the model.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups, unsupported
+from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
+from kvstage.integrations.vllm.state import logical_ids
+from kvstage.layout import FullAttentionSpec as KSFull
+from kvstage.layout import MambaSpec as KSMamba
+
+NUM_BLOCKS, PAGE = 8, 1024  # bytes per logical block
+STATE_BYTES = 3 * 40 * 4 + 2 * 4 * 4 * 4  # conv (40, 3) fp32 + ssm (2, 4, 4) fp32 = 736
+
+
+class MambaType(enum.Enum):
+    MAMBA2 = "mamba2"
+    KDA = "kda"
+
+
+@dataclass(frozen=True)
+class MambaSpec:  # vLLM's name; the attributes kvstage reads
+    block_size: int
+    shapes: tuple[tuple[int, ...], ...] = ((40, 3), (2, 4, 4))
+    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float32)
+    mamba_type: MambaType = MambaType.MAMBA2
+    num_speculative_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    block_size: int
+    num_kv_heads: int = 1
+    head_size: int = 16
+    dtype: torch.dtype = torch.float32
+
+
+@dataclass(frozen=True)
+class CrossAttentionSpec(FullAttentionSpec):
+    pass
+
+
+def vllm_like_caches(ratio: int = 1) -> dict[str, torch.Tensor]:
+    """One int8 buffer; 'mamba.0' and 'attn.0' alias it (two groups, one physical
+    tensor); the attention layer in kernel blocks of PAGE / ratio."""
+    buf = torch.randint(-128, 127, (NUM_BLOCKS * PAGE,), dtype=torch.int8,
+                        generator=torch.Generator().manual_seed(3))
+    mamba = buf.as_strided((NUM_BLOCKS, 1, 1, STATE_BYTES), (PAGE, STATE_BYTES, STATE_BYTES, 1))
+    rows = PAGE // 4 // 32 // ratio  # float32 rows of 2 x 16 per kernel block
+    attn = buf.view(torch.float32).as_strided(
+        (NUM_BLOCKS * ratio, 1, rows, 32), (PAGE // 4 // ratio, PAGE // 4 // ratio, 32, 1))
+    return {"mamba.0": mamba, "attn.0": attn}
+
+
+def groups_of(block_size: int = 8) -> list[tuple[list[str], object]]:
+    return [(["mamba.0"], MambaSpec(block_size=512)),
+            (["attn.0"], FullAttentionSpec(block_size=block_size))]
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage).clone()
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_whole_logical_pages_of_every_group(ratio: int, direction: str) -> None:
+    device = vllm_like_caches(ratio)
+    host = mirror_host_buffers(device)
+    host["attn.0"].view(torch.int8).untyped_storage()  # a separate zeroed allocation
+    groups = kvstage_groups(groups_of(), device, NUM_BLOCKS, "tiny-granite")
+    assert isinstance(groups[0][1], KSMamba) and isinstance(groups[1][1], KSFull)
+    assert groups[0][1].page_size_bytes == PAGE and groups[0][1].state_bytes == STATE_BYTES
+    assert groups[1][1].block_size == 8  # logical: PAGE / (2 x 16 x 4 B)
+    op = EngineCopyOp(device, host, groups, NUM_BLOCKS)
+    assert op.layout.num_tensors == 1 and op.block_bytes == PAGE
+    src, dst = (device, host) if direction == "d2h" else (host, device)
+    if direction == "h2d":
+        raw_src = torch.randint(0, 255, (NUM_BLOCKS * PAGE,), dtype=torch.uint8,
+                                generator=torch.Generator().manual_seed(9))
+        torch.empty(0, dtype=torch.uint8).set_(host["mamba.0"].untyped_storage()).copy_(raw_src)
+    before_src, before_dst = raw(src["mamba.0"]), raw(dst["mamba.0"])
+    # a request: state slot 5 (mamba group), attention blocks 2, 3 (logical ids)
+    ids = logical_ids([[5], [k for b in (2, 3) for k in range(b * ratio, (b + 1) * ratio)]],
+                      ratio, (True, False))
+    assert sorted(ids) == [2, 3, 5]
+    op(src, dst, ids, ids, direction)
+    after_dst = raw(dst["mamba.0"])
+    assert torch.equal(raw(src["mamba.0"]), before_src)
+    for b in range(NUM_BLOCKS):
+        page = slice(b * PAGE, (b + 1) * PAGE)
+        want = before_src[page] if b in (2, 3, 5) else before_dst[page]
+        assert torch.equal(after_dst[page], want), b  # padding of slot 5 included
+
+
+def test_logical_ids() -> None:
+    # kernel ids 4..7 -> logical 2, 3; the state slot 9 stays; each id once
+    assert logical_ids([[4, 5, 6, 7], [9], [0, 0]], 2, (False, True, False)) == [2, 3, 9, 0]
+    assert logical_ids([[4, 5], [9]], 1, (False, True)) == [4, 5, 9]  # r = 1: as listed
+
+
+def test_other_specs_refused_in_one_line() -> None:
+    why = unsupported(CrossAttentionSpec(block_size=8), "ibm/tiny")
+    assert why is not None and "\n" not in why
+    assert why.startswith("kvstage does not handle CrossAttentionSpec layers (ibm/tiny); ")
+    assert "MambaSpec (MAMBA1, MAMBA2, GDN_ATTN, SHORT_CONV, LINEAR)" in why
+    kda = unsupported(MambaSpec(block_size=8, mamba_type=MambaType.KDA), "m")
+    assert kda is not None and "MambaSpec(KDA) layers (m)" in kda
+    assert unsupported(MambaSpec(block_size=8), "m") is None
+    device = vllm_like_caches()
+    with pytest.raises(ValueError, match=r"does not handle CrossAttentionSpec layers \(x\)"):
+        kvstage_groups([(["attn.0"], CrossAttentionSpec(block_size=8))], device, NUM_BLOCKS, "x")
+
+
+def test_mamba_layout_not_dense_refused() -> None:
+    """A state view whose reach passes its block stride is not one page per block."""
+    device = vllm_like_caches()
+    bad = dict(device)
+    bad["mamba.0"] = device["mamba.0"].as_strided(
+        (NUM_BLOCKS // 2, 1, 1, PAGE + 8), (PAGE, PAGE + 8, PAGE + 8, 1))
+    host = mirror_host_buffers(bad)
+    with pytest.raises(ValueError, match="not \\[num_blocks, ...\\] with each block one dense"):
+        EngineCopyOp(bad, host, kvstage_groups([(["mamba.0"], MambaSpec(block_size=8))], bad,
+                                                 NUM_BLOCKS // 2), NUM_BLOCKS // 2)
