@@ -54,7 +54,11 @@ def _step(llm: Any, steps: int, interval_s: float) -> dict[str, Any]:
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     finished = []
+    preempted: dict[str, int] = {}  # request id -> times vLLM preempted it (so far)
     for _ in range(steps):
+        for rid, req in scheduler.requests.items():
+            if getattr(req, "num_preemptions", 0):
+                preempted[rid] = max(preempted.get(rid, 0), req.num_preemptions)
         # an aborted request the scheduler still holds (its READ in flight) is no longer
         # "unfinished" for the front end, but its engine must keep stepping to poll NIXL
         if engine.has_unfinished_requests() or scheduler.has_requests():
@@ -73,4 +77,5 @@ def _step(llm: Any, steps: int, interval_s: float) -> dict[str, Any]:
         "finished": finished,
         "unfinished": sorted(scheduler.requests),
         "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
+        "preempted": preempted,
     }
