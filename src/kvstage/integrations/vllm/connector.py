@@ -29,6 +29,14 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   ``make_prepped_xfer`` already merges vLLM's per-block pairs (same NIXL descCount, same
   transfer) at a third of the posting cost (BENCHMARKS.md "Inside vLLM").
   ``kvstage_log_reads: true`` logs every READ's counts and NIXL figures.
+- State hybrids (Mamba1/2, gated delta net, short conv, linear attention: vLLM's
+  ``MambaSpec`` groups beside attention, `state`): every layer is addressed as pages of
+  vLLM's LOGICAL block ids (state layers arrive as int8 views strided by the padded page,
+  attention possibly in kernel blocks), the d2h/h2d copy those ids (``save_kv_to_host`` and
+  ``sync_recved_kv_to_device`` replaced: vLLM flattens kernel and state ids, two index
+  spaces), a state slot is saved after the prompt's last chunk (below). Any other spec,
+  and a Mamba model without ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, is refused at start in one
+  line naming it and the fix.
 - Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
   scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two
   would keep its first part's bytes only).
@@ -83,7 +91,9 @@ scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own cod
   ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0), ``build_connector_worker_meta``.
 - `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
   ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``,
-  ``save_kv_to_host``, ``start_load_kv``, ``_pop_done_transfers`` (checksums),
+  ``save_kv_to_host`` and ``sync_recved_kv_to_device`` (logical ids; call
+  ``_logical_to_kernel_block_ids``, read ``_physical_blocks_per_logical_kv_block``,
+  ``device_kv_caches``), ``start_load_kv``, ``_pop_done_transfers`` (checksums),
   ``_read_blocks_for_req`` (lease: calls ``_handle_failed_transfer``, reads
   ``_engine_clock_offset``, ``_invalid_remote_engines``, ``_recv_failures``); attributes
   used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
