@@ -115,7 +115,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             len({t.untyped_storage().data_ptr() for t in self.host_xfer_buffers.values()}),
             host_nbytes(self.host_xfer_buffers),
             per_layer,
-            len({(t.data_ptr(), t.shape) for t in kv_caches.values()}),
+            self._copier.layout.num_tensors,  # state and attention views alias one tensor
         )
 
     # d2h and h2d of LOGICAL block ids (state.py: vLLM flattens kernel ids of attention
