@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -77,6 +76,17 @@ def vllm_device_caches(m: Model, num_blocks: int) -> dict[str, torch.Tensor]:
     return caches
 
 
+@dataclass(frozen=True)
+class FullAttentionSpec:  # a stand-in with vLLM's class name and attributes
+    num_kv_heads: int
+    head_size: int
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int
+
+
 def connector_op(
     m: Model, device: dict[str, torch.Tensor], host: dict[str, torch.Tensor]
 ) -> EngineCopyOp:
@@ -85,8 +95,9 @@ def connector_op(
     groups = []
     start = 0
     for g, size in enumerate(m.group_sizes):
-        spec = SimpleNamespace(num_kv_heads=m.num_kv_heads, head_size=m.head_size,
-                               sliding_window=None if g == 0 else m.sliding_window)
+        # vLLM's spec classes by name (the connector maps them so): full, then sliding
+        spec = (FullAttentionSpec(m.num_kv_heads, m.head_size) if g == 0
+                else SlidingWindowSpec(m.num_kv_heads, m.head_size, m.sliding_window))
         groups.append((names[start : start + size], spec))
         start += size
     return EngineCopyOp(device, host, kvstage_groups(groups, device))

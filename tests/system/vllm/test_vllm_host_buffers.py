@@ -12,7 +12,7 @@ with no more copy ops than that copier's one per distinct view per run.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -22,6 +22,19 @@ from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buff
 from kvstage.testing.opcount import DATA_OPS, OpCounter
 
 NUM_BLOCKS, HEADS, BLOCK, HEAD = 12, 2, 4, 8
+
+
+# stand-ins for vLLM's spec classes: the connector maps them by class name and attributes
+@dataclass(frozen=True)
+class FullAttentionSpec:
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int
 
 
 def _device_caches(
@@ -56,8 +69,9 @@ def _vllm_groups(num_groups: int, layers_per_group: int) -> list[tuple[list[str]
     for g in range(num_groups):
         names = [f"model.layers.{g * layers_per_group + i}.self_attn.attn"
                  for i in range(layers_per_group)]
-        spec = SimpleNamespace(num_kv_heads=HEADS, head_size=HEAD, block_size=BLOCK,
-                               sliding_window=None if g == 0 else 2 * BLOCK)
+        spec = (FullAttentionSpec(num_kv_heads=HEADS, head_size=HEAD, block_size=BLOCK)
+                if g == 0 else SlidingWindowSpec(num_kv_heads=HEADS, head_size=HEAD,
+                                                 block_size=BLOCK, sliding_window=2 * BLOCK))
         out.append((names, spec))
     return out
 

@@ -117,8 +117,9 @@ def unsupported(vllm_spec: Any, model: str) -> str | None:
     )
 
 
-def _spec(vllm_spec: Any, page_bytes: int, model: str = "") -> KVSpec:
-    """A kvstage spec for vLLM's ``vllm_spec`` whose logical page is ``page_bytes``."""
+def _spec(vllm_spec: Any, page_bytes: int, dtype: torch.dtype, model: str = "") -> KVSpec:
+    """A kvstage spec for vLLM's ``vllm_spec`` whose logical page is ``page_bytes``; an
+    attention layer's dtype is its tensor's (``dtype``)."""
     why = unsupported(vllm_spec, model)
     if why:
         raise ValueError(why)
@@ -132,7 +133,7 @@ def _spec(vllm_spec: Any, page_bytes: int, model: str = "") -> KVSpec:
             conv_layout=os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT", "DS").upper(),
             num_speculative_blocks=int(getattr(vllm_spec, "num_speculative_blocks", 0)),
         )
-    name = dtype_name(vllm_spec.dtype)
+    name = dtype_name(dtype)
     item = DTYPES[name].itemsize
     heads, head = int(vllm_spec.num_kv_heads), int(vllm_spec.head_size)
     mla = _ATTENTION_SPECS[type(vllm_spec).__name__] == "mla"
@@ -175,7 +176,8 @@ def kvstage_groups(
     out = []
     for names, vllm_spec in groups:
         first = device_caches[names[0]]
-        out.append((list(names), _spec(vllm_spec, _page_bytes(first, num_blocks), model)))
+        page = _page_bytes(first, num_blocks)
+        out.append((list(names), _spec(vllm_spec, page, first.dtype, model)))
     return out
 
 
