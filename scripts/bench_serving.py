@@ -39,7 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from kvstage.serving import PDCluster, complete, metric_total, served_model, single_instance
+from kvstage.serving import (
+    TINY_CPU_ENGINE_ARGS,
+    PDCluster,
+    complete,
+    metric_total,
+    served_model,
+    single_instance,
+)
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3
 from kvstage.testing.tiny_llama import build_tiny_llama
 
@@ -94,11 +101,12 @@ def deployment(name: str, model: str, logs: Path) -> Iterator[tuple[str, str | N
     """(router or single url, decode url or None) of a started deployment; stopped after."""
     connector, _ = CONFIGS[name]
     if connector is None:
-        with single_instance(model, log_dir=logs, start_timeout=START_S) as s:
+        with single_instance(model, log_dir=logs, start_timeout=START_S,
+                             engine_args=TINY_CPU_ENGINE_ARGS) as s:
             yield s.url, None
     else:
         with PDCluster(model=model, connector=connector, log_dir=logs,
-                       start_timeout=START_S) as c:
+                       start_timeout=START_S, engine_args=TINY_CPU_ENGINE_ARGS) as c:
             yield c.router_url, c.decodes[0].url
 
 

@@ -14,7 +14,8 @@ import pytest
 
 from kvstage.cli import main as cli_main
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, Instance, PDCluster, ServingError
-from kvstage.serving.cluster import connector_config, split_cores
+from kvstage.serving.cluster import connector_config, gpu_assignment, split_cores
+from kvstage.serving.engine_args import DEFAULT_ENGINE_ARGS, with_user_flags
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
@@ -75,7 +76,8 @@ def test_split_cores() -> None:
 
 def test_cluster_command_lines(tmp_path: Path) -> None:
     c = PDCluster(model="/m", num_prefill=2, num_decode=1, log_dir=tmp_path, device="cpu",
-                  kv_load_failure_policy="recompute", extra_kv_config={"x": 1})
+                  kv_load_failure_policy="recompute", extra_kv_config={"x": 1},
+                  engine_args=TINY_CPU_ENGINE_ARGS)
     names = [i.name for i in c.instances]
     assert names == ["prefill0", "prefill1", "decode0"]
     ports = {i.port for i in c.instances} | {i.side_channel_port for i in c.instances}
@@ -140,3 +142,73 @@ def test_wait_ready_fails_with_log_tail_when_the_child_exits(tmp_path: Path) -> 
     with pytest.raises(ServingError, match=r"(?s)exited \(rc=3\).*engine said no"):
         inst.wait_ready(timeout=10)
     assert not inst.alive
+
+
+# -- issue 26: the user's api_server flags, connector options, GPU placement -----------------
+@pytest.mark.parametrize(("flags", "needle"), [
+    (["--port", "9000"], "api_server flag --port is set by kvstage for each instance"),
+    (["--kv-transfer-config={}"], "api_server flag --kv-transfer-config is set by kvstage"),
+    (["--host", "0.0.0.0"], "api_server flag --host is set by kvstage"),
+    (["--model=x"], "api_server flag --model is set by kvstage"),
+])
+def test_clashing_api_server_flags_refused(model_dir: Path, flags: list[str], needle: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "serve-pd", "--model", str(model_dir), "--", *flags)
+    assert rc == 2
+    assert len(err.strip().splitlines()) == 1
+    assert needle in err and "remove it from the flags after --" in err
+
+
+def test_user_flags_replace_the_defaults_of_their_name() -> None:
+    args = with_user_flags(TINY_CPU_ENGINE_ARGS, ["--max-model-len", "1024",
+                                                  "--enable-prefix-caching", "--dtype=bfloat16"])
+    argv = args.argv()
+    assert argv.count("--max-model-len") == 1
+    assert argv[argv.index("--max-model-len") + 1] == "1024"
+    assert "--no-enable-prefix-caching" not in argv and argv.count("--enable-prefix-caching") == 1
+    assert "--dtype=bfloat16" in argv and "--dtype" not in argv
+    assert argv.count("--block-size") == 1  # the defaults not named stay
+    assert with_user_flags(DEFAULT_ENGINE_ARGS, []).argv() == []
+
+
+@pytest.mark.parametrize(("arg", "needle"), [
+    (["--kv-extra", "novalue"], "--kv-extra expects KEY=VALUE"),
+    (["--kv-extra", "bad key=1"], "--kv-extra expects KEY=VALUE"),
+    (["--key-file", "/no/such/key"], "--key-file '/no/such/key' is not a readable file"),
+])
+def test_connector_option_refusals(model_dir: Path, arg: list[str], needle: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _cli(capsys, "serve-pd", "--model", str(model_dir), *arg)
+    assert rc == 2 and needle in err.splitlines()[-1]
+
+
+def test_kv_extra_values_are_json_or_text() -> None:
+    from kvstage.cli.serve_pd import _kv_extra
+
+    assert _kv_extra("kvstage_verify_checksum=true") == ("kvstage_verify_checksum", True)
+    assert _kv_extra("kv_lease_duration=30") == ("kv_lease_duration", 30)
+    assert _kv_extra("name=abc") == ("name", "abc")
+
+
+def test_gpu_placement(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    assert gpu_assignment(3) == ["4", "5", "6"]
+    c = PDCluster(model="/m", num_prefill=2, num_decode=1, log_dir=tmp_path, device="cuda")
+    assert [i.env["CUDA_VISIBLE_DEVICES"] for i in c.instances] == ["4", "5", "6"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with pytest.raises(ServingError, match=r"3 api_servers need 3 GPUs, 1 visible \(7\)"):
+        PDCluster(model="/m", num_prefill=2, num_decode=1, log_dir=tmp_path, device="cuda")
+    shared = PDCluster(model="/m", num_prefill=2, num_decode=1, log_dir=tmp_path,
+                       device="cuda", share_gpus=True)
+    assert [i.env["CUDA_VISIBLE_DEVICES"] for i in shared.instances] == ["7", "7", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(ServingError, match="no GPU visible"):
+        gpu_assignment(1)
+
+
+def test_cluster_and_cli_share_one_set_of_defaults(tmp_path: Path) -> None:
+    from kvstage.cli.serve_pd import ENGINE_DEFAULTS
+
+    c = PDCluster(model="/m", log_dir=tmp_path, device="cpu")
+    assert c.engine_args == ENGINE_DEFAULTS["vllm"] == DEFAULT_ENGINE_ARGS
+    assert c.instances[0].env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"

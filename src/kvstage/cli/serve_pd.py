@@ -11,13 +11,16 @@ one line, exit 2, nothing started. Needs vLLM and vllm-router in this Python's v
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import signal
 import socket
 import sys
 import threading
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from kvstage.cli.args import positive
 from kvstage.serving import (
@@ -29,6 +32,7 @@ from kvstage.serving import (
     ServingError,
 )
 from kvstage.serving.cluster import DEVICES, default_device, router_executable
+from kvstage.serving.engine_args import with_user_flags
 
 MAX_INSTANCES = 16
 ENGINE_DEFAULTS = {"vllm": EngineArgs(), "tiny-cpu": TINY_CPU_ENGINE_ARGS}
@@ -97,8 +101,46 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="one log per instance here (default: a new temporary directory)")
     p.add_argument("--start-timeout", type=positive(float, "--start-timeout"), default=600.0,
                    help="seconds each api_server may take to answer /health")
+    p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
+                   metavar="KEY=VALUE", help="a kv_connector_extra_config entry for every "
+                   "instance (VALUE read as JSON if it parses, else text), e.g. "
+                   "kvstage_verify_checksum=true; repeatable")
+    p.add_argument("--key-file", type=_key_file, default=None,
+                   help="the shared key file (kvstage_key_file): sealed handshakes and "
+                        "capability-checked notifications")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="a flag for vllm-router verbatim, e.g. "
+                        "--router-arg=--health-check-interval-secs=5; repeatable")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="cuda: allow fewer GPUs than instances (instance i on GPU i mod n)")
     p.add_argument("api_server_args", nargs=argparse.REMAINDER,
-                   help="after --: flags passed to every api_server verbatim")
+                   help="after --: flags for every api_server (one given replaces the "
+                        "--engine-defaults flag of its name; --model, --host, --port and "
+                        "--kv-transfer-config are serve-pd's and refused)")
+
+
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _kv_extra(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not _KEY.fullmatch(key):
+        raise argparse.ArgumentTypeError(f"--kv-extra expects KEY=VALUE with KEY a name "
+                                         f"(letters, digits, _), got {text[:80]!r}")
+    if len(value) > 4096:
+        raise argparse.ArgumentTypeError(f"--kv-extra {key}: value over 4096 characters")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def _key_file(text: str) -> str:
+    path = Path(text).expanduser()
+    if not path.is_file() or not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"--key-file {text!r} is not a readable file; make "
+                                         "one with: head -c 32 /dev/urandom | base64 > FILE")
+    return str(path.resolve())
 
 
 class _Stop(Exception):
@@ -109,13 +151,15 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.api_server_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    try:
+    try:  # the user's flags first: a clash is refused wherever vllm-router is missing
+        engine_args = with_user_flags(ENGINE_DEFAULTS[args.engine_defaults], extra)
         router_executable()
     except ServingError as exc:
         print(f"kvstage serve-pd: {exc}", file=sys.stderr)
         return 2
-    base = ENGINE_DEFAULTS[args.engine_defaults]
-    engine_args = EngineArgs(**{**base.__dict__, "extra": (*base.extra, *extra)})
+    kv_extra = dict(args.kv_extra)
+    if args.key_file:
+        kv_extra["kvstage_key_file"] = args.key_file
     if args.log_dir:
         try:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
@@ -124,11 +168,17 @@ def run(args: argparse.Namespace) -> int:
                   f"({exc.strerror}); give a writable directory", file=sys.stderr)
             return 2
     device = default_device() if args.device == "auto" else args.device
-    cluster = PDCluster(model=args.model, num_prefill=args.prefill, num_decode=args.decode,
-                        connector=args.connector,
-                        kv_load_failure_policy=args.kv_load_failure_policy,
-                        log_dir=args.log_dir, engine_args=engine_args, device=device,
-                        router_port=args.port, start_timeout=args.start_timeout)
+    try:
+            cluster = PDCluster(
+            model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+            connector=args.connector, kv_load_failure_policy=args.kv_load_failure_policy,
+            log_dir=args.log_dir, engine_args=engine_args, device=device,
+            router_port=args.port, start_timeout=args.start_timeout,
+            extra_kv_config=kv_extra or None, router_args=tuple(args.router_arg),
+            share_gpus=args.share_gpus)
+    except ServingError as exc:  # e.g. fewer GPUs than instances: nothing started
+        print(f"kvstage serve-pd: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

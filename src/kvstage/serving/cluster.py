@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -30,6 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvstage.serving.engine_args import (  # noqa: F401  (re-exported)
+    DEFAULT_ENGINE_ARGS,
+    TINY_CPU_ENGINE_ARGS,
+    EngineArgs,
+)
 from kvstage.serving.instances import Instance, ServingError
 from kvstage.serving.kv_config import (
     KVSTAGE_CONNECTOR,
@@ -43,47 +49,6 @@ CONNECTORS = ("kvstage", "nixl", "none")
 FAILURE_POLICIES = ("fail", "recompute")
 DEVICES = ("cpu", "cuda")
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-
-
-@dataclass(frozen=True, kw_only=True)
-class EngineArgs:
-    """The api_server flags every instance of a deployment shares (None: vLLM's default)."""
-
-    dtype: str | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_num_seqs: int | None = None
-    block_size: int | None = None
-    kv_cache_memory_bytes: int | None = None
-    enforce_eager: bool = False
-    enable_prefix_caching: bool | None = None
-    seed: int | None = None
-    extra: tuple[str, ...] = ()  # further api_server flags, verbatim
-
-    def argv(self) -> list[str]:
-        out: list[str] = []
-        for flag, value in (("--dtype", self.dtype), ("--max-model-len", self.max_model_len),
-                            ("--max-num-batched-tokens", self.max_num_batched_tokens),
-                            ("--max-num-seqs", self.max_num_seqs),
-                            ("--block-size", self.block_size),
-                            ("--kv-cache-memory-bytes", self.kv_cache_memory_bytes),
-                            ("--seed", self.seed)):
-            if value is not None:
-                out += [flag, str(value)]
-        if self.enforce_eager:
-            out.append("--enforce-eager")
-        if self.enable_prefix_caching is not None:
-            out.append("--enable-prefix-caching" if self.enable_prefix_caching
-                       else "--no-enable-prefix-caching")
-        return out + list(self.extra)
-
-
-#: the settings kvstage's CPU tests use for the tiny hybrid model (kvstage tiny-model)
-TINY_CPU_ENGINE_ARGS = EngineArgs(
-    dtype="float32", max_model_len=512, max_num_batched_tokens=120, max_num_seqs=16,
-    block_size=32, kv_cache_memory_bytes=64 << 20, enforce_eager=True,
-    enable_prefix_caching=False, seed=0,
-)
 
 
 def connector_config(connector: str, role: str, *, device: str, policy: str,
@@ -124,6 +89,35 @@ def default_device() -> str:
     if visible is not None and visible.strip() in ("", "-1"):
         return "cpu"
     return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
+
+
+def visible_gpus() -> list[str]:
+    """``CUDA_VISIBLE_DEVICES``'s entries when it is set, else the NVIDIA device nodes found
+    (``/dev/nvidia<N>``, as numbers)."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        nodes = os.listdir("/dev")
+    except OSError:
+        return []
+    return sorted((n[6:] for n in nodes if re.fullmatch(r"nvidia\d+", n)), key=int)
+
+
+def gpu_assignment(count: int, *, share: bool = False) -> list[str]:
+    """One GPU per instance, in order; fewer visible GPUs than instances is refused unless
+    ``share`` (then instance i gets GPU i mod the number visible)."""
+    gpus = visible_gpus()
+    if not gpus:
+        raise ServingError("device cuda but no GPU visible (CUDA_VISIBLE_DEVICES empty, no "
+                           "/dev/nvidia<N>); run with device cpu")
+    if len(gpus) < count and not share:
+        raise ServingError(
+            f"{count} api_servers need {count} GPUs, {len(gpus)} visible "
+            f"({','.join(gpus)}): set CUDA_VISIBLE_DEVICES to {count} GPUs, start fewer "
+            f"instances, or share them (share_gpus=True, serve-pd --share-gpus: instance i on "
+            f"GPU i mod {len(gpus)}, with --gpu-memory-utilization sized for it)")
+    return [gpus[i % len(gpus)] for i in range(count)]
 
 
 def router_executable() -> str:
@@ -197,7 +191,7 @@ class PDCluster:
     connector: str = "kvstage"
     kv_load_failure_policy: str = "fail"
     log_dir: str | Path | None = None
-    engine_args: EngineArgs = TINY_CPU_ENGINE_ARGS
+    engine_args: EngineArgs = DEFAULT_ENGINE_ARGS
     extra_kv_config: dict[str, Any] | None = None
     env: dict[str, str] | None = None  # on top of each api_server's own
     device: str = field(default_factory=default_device)
@@ -205,6 +199,7 @@ class PDCluster:
     router_policy: str = "round_robin"
     router_args: tuple[str, ...] = ()
     start_timeout: float = 300.0
+    share_gpus: bool = False  # device cuda: allow fewer GPUs than instances
     prefills: list[Instance] = field(init=False, default_factory=list)
     decodes: list[Instance] = field(init=False, default_factory=list)
     router: Instance | None = field(init=False, default=None)
@@ -229,7 +224,8 @@ class PDCluster:
         ports = free_ports(2 * n)
         http, side = ports[:n], ports[n:]
         cores = split_cores(sorted(os.sched_getaffinity(0)), self.num_prefill, self.num_decode)
-        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        gpus: list[str | None] = (list(gpu_assignment(n, share=self.share_gpus))
+                                  if self.device == "cuda" else [None] * n)
         for i in range(n):
             role = "prefill" if i < self.num_prefill else "decode"
             index = i if role == "prefill" else i - self.num_prefill
@@ -240,7 +236,7 @@ class PDCluster:
             inst = api_server_instance(
                 f"{role}{index}", role, self.model, port=http[i], log_dir=log_dir,
                 engine_args=self.engine_args, kv_config=kv, device=self.device,
-                cores=cores[i], gpu=gpus[i % len(gpus)] if gpus else None,
+                cores=cores[i], gpu=gpus[i],
                 side_channel_port=side[i], env=self.env)
             (self.prefills if role == "prefill" else self.decodes).append(inst)
 
@@ -310,7 +306,7 @@ class single_instance:  # noqa: N801 (used like a function: `with single_instanc
     """One plain api_server (no connector), the reference the P/D output must equal."""
 
     def __init__(self, model: str, *, log_dir: str | Path | None = None,
-                 engine_args: EngineArgs = TINY_CPU_ENGINE_ARGS, device: str | None = None,
+                 engine_args: EngineArgs = DEFAULT_ENGINE_ARGS, device: str | None = None,
                  cores: tuple[int, ...] | None = None, port: int | None = None,
                  env: dict[str, str] | None = None, start_timeout: float = 300.0) -> None:
         log = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(

@@ -73,7 +73,7 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def reference(model: str, logs: Path) -> list[list[int]]:
     """The plain engine's completions, all prompts in flight (stopped before P/D starts:
     the machine runs at most four engines)."""
-    with single_instance(model, log_dir=logs) as single:
+    with single_instance(model, log_dir=logs, engine_args=TINY_CPU_ENGINE_ARGS) as single:
         results = complete(single.url, PROMPTS, MAX_TOKENS, concurrency=CONCURRENCY)
     _check_ok(results, single)
     return [r.token_ids or [] for r in results]
@@ -84,7 +84,7 @@ def cluster(model: str, logs: Path, reference: list[list[int]]) -> Iterator[PDCl
     if shutil.which("taskset") is None:
         pytest.skip("needs taskset (util-linux) to pin engines to cores")
     with PDCluster(model=model, num_prefill=2, num_decode=2, connector="kvstage",
-                   log_dir=logs) as c:
+                   log_dir=logs, engine_args=TINY_CPU_ENGINE_ARGS) as c:
         yield c
 
 

