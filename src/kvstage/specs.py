@@ -52,8 +52,25 @@ def _require_positive(owner: str, **values: int) -> None:
             )
 
 
+class _Dtyped:
+    """``torch_dtype`` and ``dtype_bytes`` of a spec's ``dtype`` name (a field of the
+    attention specs, derived from the states' dtypes for `MambaSpec`)."""
+
+    @property
+    def dtype(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.torch_dtype.itemsize
+
+
 @dataclass(frozen=True, kw_only=True)
-class AttentionSpec:
+class AttentionSpec(_Dtyped):
     """Base of the attention specs: K and V of ``num_kv_heads`` heads of ``head_size`` per
     token. Use a concrete subclass (`FullAttentionSpec`, `SlidingWindowSpec`, `MLASpec`);
     as in vLLM's ``kv_cache_interface``, groups are bucketed by spec equality, which
@@ -76,14 +93,6 @@ class AttentionSpec:
                 f"{type(self).__name__}.dtype must be one of {sorted(DTYPES)}, "
                 f"got {self.dtype!r}"
             )
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def dtype_bytes(self) -> int:
-        return self.torch_dtype.itemsize
 
     @property
     def num_kv_planes(self) -> int:
@@ -158,7 +167,7 @@ CONV_LAYOUTS = ("DS", "SD")
 
 
 @dataclass(frozen=True, kw_only=True)
-class MambaSpec:
+class MambaSpec(_Dtyped):
     """A state group's layer (vLLM's ``MambaSpec``): per state slot, the states of
     ``shapes[i]`` and ``dtypes[i]`` laid one after the other in a page of
     ``page_size_bytes`` (``page_size_padded`` when vLLM pads it to the attention page).
@@ -230,14 +239,6 @@ class MambaSpec:
     def dtype(self) -> str:
         """The states' common dtype; "uint8" (bytes) when they differ."""
         return self.dtypes[0] if len(set(self.dtypes)) == 1 else "uint8"
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def dtype_bytes(self) -> int:
-        return self.torch_dtype.itemsize
 
     @property
     def num_kv_planes(self) -> int:
