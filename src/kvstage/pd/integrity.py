@@ -112,6 +112,36 @@ def views_digests(views: Sequence[torch.Tensor], block_ids: Sequence[int]) -> li
     return _plane_digests(xx, planes, block_ids)
 
 
+#: (physical tensor, first byte, end byte) of a block's row in that tensor, planes in order
+Extent = tuple[int, int, int]
+
+
+def extent_digests(views: Sequence[torch.Tensor], extents: Sequence[Extent],
+                   block_ids: Sequence[int]) -> list[int]:
+    """xxh3-64 of each block over only ``extents`` of its rows (null -> 0): what a READ that
+    writes part of a page (a state layer's states, not its padding; the tensors a group
+    has layers in) wrote, so bytes it never touches cannot make honest blocks differ."""
+    xx = _xxhash()
+    tensors = [[p.numpy() for p in v.reshape(v.shape[0], v.shape[1], -1).view(torch.uint8)
+                .unbind(0)] for v in views]
+    out = []
+    for b in block_ids:
+        if not b:
+            out.append(0)
+            continue
+        h = xx.xxh3_64()
+        for t, start, stop in extents:
+            at = 0
+            for plane in tensors[t]:
+                row = plane[b]
+                lo, hi = max(start - at, 0), min(stop - at, row.shape[0])
+                if lo < hi:
+                    h.update(memoryview(row[lo:hi]))
+                at += row.shape[0]
+        out.append(h.intdigest())
+    return out
+
+
 def _plane_digests(xx: Any, planes: Any, block_ids: Sequence[int]) -> list[int]:
     """xxh3-64 of each block's rows over every plane, in order (the null block -> 0)."""
     out = []

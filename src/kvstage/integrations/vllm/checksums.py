@@ -5,9 +5,12 @@ Contract
 ``kv_connector_extra_config: {"kvstage_verify_checksum": true}`` on BOTH instances:
 
 - Prefill worker (`WorkerChecksums.after_save`): right after vLLM's d2h save of a request
-  (``save_kv_to_host``), one xxh3-64 per saved block over its host bytes in every
-  physical tensor (`kvstage.pd.integrity.views_digests`: the bytes the decode's READ
-  copies, all regions of the block). The digests go to the scheduler in vLLM's
+  (``save_kv_to_host``), one xxh3-64 per saved block over exactly the host bytes the
+  decode's READ writes for its group (`read_extents`, `kvstage.pd.integrity.extent_digests`):
+  the tensors the group has layers in, an attention page whole, a state page's states
+  only. Bytes no READ writes (a state page's padding, a tensor the group has no layer in)
+  keep whatever the block held before on each side, so hashing them failed honest
+  transfers once blocks were reused (found serving the tiny Granite behind vllm-router). The digests go to the scheduler in vLLM's
   worker -> scheduler channel (``build_connector_worker_meta`` -> `ChecksumMeta` ->
   ``update_connector_output``).
 - Prefill scheduler (`SchedulerChecksums`): puts them in the ``kv_transfer_params`` it
@@ -49,7 +52,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.logger import init_logger
 
-from kvstage.pd.integrity import CHECKSUM, check_available, views_digests
+from kvstage.pd.integrity import CHECKSUM, Extent, check_available, extent_digests, views_digests
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -106,23 +109,48 @@ def decode(value: Any) -> Digests | None:
         return None
 
 
+def read_extents(layout: Any) -> list[list[Extent]]:
+    """Per KV cache group of a connector layout (`kvstage.layout.KVLayout`): the bytes of a
+    block's row that vLLM's READ writes: every tensor the group has a layer in (position t
+    of the group is physical tensor t); an attention page whole, a state page's states
+    only (conv then SSM from byte 0; its padding is not read)."""
+    from kvstage.layout import MambaSpec
+
+    out = []
+    for group in layout.groups:
+        spec = group.spec
+        end = spec.state_bytes if isinstance(spec, MambaSpec) else layout.page_size_bytes
+        out.append([(t, 0, end) for t in range(len(group.layer_names))])
+    return out
+
+
 class WorkerChecksums:
     """Both roles' worker side; inert unless enabled."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self._views: list[torch.Tensor] = []
+        self._extents: list[list[Extent]] | None = None  # per KV cache group
         self._saved: dict[str, Digests] = {}  # digests not yet sent to the scheduler
         self._expected: dict[str, Any] = {}  # decode: request id -> params value
 
-    def attach(self, views: list[torch.Tensor], kernel_blocks_per_block: int) -> None:
-        """The host buffer's per-physical-tensor ``[P, NB, E]`` views."""
+    def attach(self, views: list[torch.Tensor], kernel_blocks_per_block: int,
+               extents: list[list[Extent]] | None = None) -> None:
+        """The host buffer's per-physical-tensor ``[P, NB, E]`` views and, per KV cache
+        group, the extents a READ of one of its blocks writes (`read_extents`; None: every
+        tensor's whole row, for every group)."""
         if self.enabled and kernel_blocks_per_block != 1:
             raise ValueError(
                 f"{VERIFY_KEY} needs one kernel block per KV block, got "
                 f"{kernel_blocks_per_block}; turn the checksum off for this model"
             )
         self._views = views
+        self._extents = extents
+
+    def _digests(self, group: int, ids: list[int]) -> list[int]:
+        if self._extents is None:
+            return views_digests(self._views, ids)
+        return extent_digests(self._views, self._extents[group], ids)
 
     def after_save(self, metadata: Any) -> None:
         """Prefill: digest every request just saved (the host bytes the decode READs)."""
@@ -131,8 +159,12 @@ class WorkerChecksums:
         armed = _corrupt_armed()
         corrupt: set[str] = getattr(metadata, "kvstage_corrupt", set()) if armed else set()
         for req_id, meta in metadata.reqs_to_save.items():
-            ids = sorted({b for g in meta.local_physical_block_ids for b in g if b})
-            self._saved[req_id] = dict(zip(ids, views_digests(self._views, ids), strict=True))
+            saved: Digests = {}
+            for group, blocks in enumerate(meta.local_physical_block_ids):
+                ids = sorted({b for b in blocks if b})
+                saved.update(zip(ids, self._digests(group, ids), strict=True))
+            self._saved[req_id] = saved
+            ids = sorted(saved)
             if req_id in corrupt and ids:
                 plane = self._views[0][0, ids[0]].view(torch.uint8).reshape(-1)
                 plane[0] ^= 0xFF  # fault injection: the bytes change after the digest
@@ -162,9 +194,9 @@ class WorkerChecksums:
             if meta is None or meta.remote is None:
                 continue
             pairs = [
-                (r, loc)
-                for local, remote in zip(meta.local_physical_block_ids, meta.remote.block_ids,
-                                         strict=False)
+                (group, r, loc)
+                for group, (local, remote) in enumerate(
+                    zip(meta.local_physical_block_ids, meta.remote.block_ids, strict=False))
                 for loc, r in zip(reversed(local), reversed(remote), strict=False)
                 if loc and r
             ]
@@ -178,8 +210,8 @@ class WorkerChecksums:
                     "kv_transfer_params; set %s on the prefill instance too. Failing its "
                     "KV load", req_id, PARAMS_KEY, VERIFY_KEY)
                 continue
-            got = views_digests(self._views, [loc for _, loc in pairs])
-            wrong = [(r, loc) for (r, loc), g in zip(pairs, got, strict=True)
+            got = [self._digests(group, [loc])[0] for group, _, loc in pairs]
+            wrong = [(r, loc) for (_, r, loc), g in zip(pairs, got, strict=True)
                      if want.get(r) != g]
             if wrong:
                 bad.add(req_id)

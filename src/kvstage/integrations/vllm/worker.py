@@ -104,7 +104,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # set ours now, so the path is complete whatever the platform.
         self.copy_blocks = self._copier
         self._kvstage_checksums.attach(
-            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block
+            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block,
+            checksums.read_extents(self._copier.layout),
         )
         per_layer = sum(t.nbytes for t in kv_caches.values())
         logger.info(
