@@ -212,3 +212,83 @@ def test_cluster_and_cli_share_one_set_of_defaults(tmp_path: Path) -> None:
     c = PDCluster(model="/m", log_dir=tmp_path, device="cpu")
     assert c.engine_args == ENGINE_DEFAULTS["vllm"] == DEFAULT_ENGINE_ARGS
     assert c.instances[0].env["VLLM_SSM_CONV_STATE_LAYOUT"] == "DS"
+
+
+# -- issue 26: one host's part (--role), printed for the operator's own supervisor -----------
+def _dry(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        rc = cli_main(["serve-pd", *args, "--dry-run"])
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_role_prefill_on_a_routable_address(model_dir: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSTAGE_KEY", raising=False)
+    args = ["--model", str(model_dir), "--role", "prefill", "--prefill", "2",
+            "--host", "10.9.8.7", "--port", "8100", "--device", "cpu"]
+    rc, _, err = _dry(capsys, *args)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert "--host 10.9.8.7 is reachable from other machines and no key is given" in err
+    key = tmp_path / "key"
+    key.write_text("k" * 44)
+    rc, out, err = _dry(capsys, *args, "--key-file", str(key), "--kv-extra",
+                        "kvstage_verify_checksum=true")
+    assert rc == 0, err
+    lines = [line for line in out.splitlines() if line.strip().startswith("$ ")]
+    assert len(lines) == 2  # no router on a prefill host
+    for i, line in enumerate(lines):
+        assert f"--host 10.9.8.7 --port {8100 + i}" in line
+        assert f"VLLM_NIXL_SIDE_CHANNEL_PORT={5600 + i}" in line
+        assert "VLLM_NIXL_SIDE_CHANNEL_HOST=10.9.8.7" in line and "VLLM_HOST_IP=10.9.8.7" in line
+        assert "UCX_NET_DEVICES=lo" not in line  # UCX picks the routable interface
+        kv = json.loads(line.split("--kv-transfer-config ", 1)[1].strip("'"))
+        assert kv["kv_role"] == "kv_producer"
+        assert kv["kv_connector_extra_config"]["kvstage_key_file"] == str(key.resolve())
+        assert kv["kv_connector_extra_config"]["kvstage_verify_checksum"] is True
+
+
+def test_role_decode_on_loopback_needs_no_key(model_dir: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = _dry(capsys, "--model", str(model_dir), "--role", "decode", "--device",
+                        "cpu", "--port", "8200", "--side-channel-port", "5700")
+    assert rc == 0, err
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("$ ")]
+    assert '"kv_role":"kv_consumer"' in line and "VLLM_NIXL_SIDE_CHANNEL_PORT=5700" in line
+    assert "UCX_NET_DEVICES=lo" in line
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--role", "all", "--host", "10.0.0.1"], "--host is for --role prefill/decode/router"),
+    (["--role", "prefill", "--prefill-url", "http://a:1"], "are for --role router"),
+    (["--role", "router"], "--role router needs at least one --prefill-url and one"),
+    (["--role", "router", "--prefill-url", "ftp://x", "--decode-url", "http://d:2"],
+     "expected an instance URL like http://10.0.0.2:8100, got 'ftp://x'"),
+    (["--role", "prefill", "--host", "bad host!"], "--host expects an address or host name"),
+])
+def test_role_refusals(model_dir: Path, args: list[str], needle: str,
+                       capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _dry(capsys, "--model", str(model_dir), *args)
+    assert rc == 2 and needle in err.strip().splitlines()[-1]
+
+
+def test_role_router_in_front_of_other_hosts(model_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstage.serving.cluster import router_executable
+
+    try:
+        router_executable()
+    except ServingError:
+        pytest.skip("needs vllm-router (`make test-vllm` installs it in .venv-vllm)")
+    rc, out, err = _dry(capsys, "--model", str(model_dir), "--role", "router", "--host",
+                        "10.0.0.3", "--port", "8000", "--prefill-url", "http://10.0.0.1:8100",
+                        "--decode-url", "http://10.0.0.2:8200", "--decode-url",
+                        "http://10.0.0.2:8201", "--router-arg=--health-check-interval-secs=5")
+    assert rc == 0, err
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("$ ")]
+    assert "--prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --decode " \
+           "http://10.0.0.2:8201 --host 10.0.0.3 --port 8000" in line
+    assert line.endswith("--health-check-interval-secs=5")

@@ -17,7 +17,9 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -33,6 +35,8 @@ from kvstage.serving import (
 )
 from kvstage.serving.cluster import DEVICES, default_device, router_executable
 from kvstage.serving.engine_args import with_user_flags
+from kvstage.serving.instances import Instance
+from kvstage.serving.roles import ROLES, check_url, host_instances, host_router
 
 MAX_INSTANCES = 16
 ENGINE_DEFAULTS = {"vllm": EngineArgs(), "tiny-cpu": TINY_CPU_ENGINE_ARGS}
@@ -54,14 +58,26 @@ def _model(text: str) -> str:
 
 
 def _port(text: str) -> int:
-    port = int(positive(int, "--port", high=65535)(text))
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as exc:
-            raise argparse.ArgumentTypeError(f"--port {port} is not free on 127.0.0.1 "
-                                             f"({exc.strerror}); pick another") from None
-    return port
+    return int(positive(int, "--port", high=65535)(text))
+
+
+def _host(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9.:\-]{1,253}", text):
+        raise argparse.ArgumentTypeError(f"--host expects an address or host name, got "
+                                         f"{text[:80]!r}")
+    return text
+
+
+def _check_free(host: str, ports: list[int]) -> None:
+    """ServingError naming the first of ``ports`` that cannot be bound on ``host``."""
+    for port in ports:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family) as s:
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ServingError(f"--port {port} is not free on {host} ({exc.strerror}); "
+                                   "pick another") from None
 
 
 def _log_dir(text: str) -> str:
@@ -85,7 +101,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill instances (default 1)")
     p.add_argument("--decode", type=positive(int, "--decode", high=MAX_INSTANCES), default=1,
                    help="decode instances (default 1)")
-    p.add_argument("--port", type=_port, default=8000, help="the router's port (default 8000)")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="the router's port; with --role prefill/decode the first instance's "
+                        "(instance i: port + i) (default 8000)")
+    p.add_argument("--role", default="all", choices=("all", *ROLES),
+                   help="all: the whole deployment on this machine (127.0.0.1); prefill, "
+                        "decode or router: this host's part of a deployment across hosts")
+    p.add_argument("--host", type=_host, default="127.0.0.1",
+                   help="with --role: the address this host's instances bind and peers use "
+                        "(a routable one needs --key-file)")
+    p.add_argument("--side-channel-port", type=positive(int, "--side-channel-port",
+                                                        high=65535), default=5600,
+                   help="with --role prefill/decode: instance i's NIXL side channel port is "
+                        "this + i (default 5600, vLLM's)")
+    p.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                   help="--role router: a prefill instance, http://HOST:PORT; repeatable")
+    p.add_argument("--decode-url", action="append", default=[], metavar="URL",
+                   help="--role router: a decode instance, http://HOST:PORT; repeatable")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the command lines (for your own supervisor) and exit")
     p.add_argument("--connector", default="kvstage", choices=CONNECTORS[:2],
                    help="kvstage: KVStageConnector; nixl: vLLM's NixlConnector (on CPU its "
                         "host path, for comparisons)")
@@ -151,16 +185,31 @@ def run(args: argparse.Namespace) -> int:
     extra = list(args.api_server_args)
     if extra and extra[0] == "--":
         extra = extra[1:]
-    try:  # the user's flags first: a clash is refused wherever vllm-router is missing
+    try:  # every refusal before anything starts, a clash first wherever vllm-router is
         engine_args = with_user_flags(ENGINE_DEFAULTS[args.engine_defaults], extra)
-        router_executable()
+        kv_extra = dict(args.kv_extra)
+        if args.key_file:
+            kv_extra["kvstage_key_file"] = args.key_file
+        count = {"prefill": args.prefill, "decode": args.decode}.get(args.role, 1)
+        if args.role == "all" and args.host != "127.0.0.1":
+            raise ServingError("--host is for --role prefill/decode/router (one host's part); "
+                               "--role all runs everything on 127.0.0.1")
+        if args.role != "router" and (args.prefill_url or args.decode_url):
+            raise ServingError("--prefill-url/--decode-url are for --role router")
+        if args.role == "router":
+            if not args.prefill_url or not args.decode_url:
+                raise ServingError("--role router needs at least one --prefill-url and one "
+                                   "--decode-url (the instances' http://HOST:PORT)")
+            for url in (*args.prefill_url, *args.decode_url):
+                check_url(url)
+        if not args.dry_run:
+            _check_free(args.host, [args.port + i for i in range(count)])
+        if args.role in ("all", "router"):
+            router_executable()
     except ServingError as exc:
         print(f"kvstage serve-pd: {exc}", file=sys.stderr)
         return 2
-    kv_extra = dict(args.kv_extra)
-    if args.key_file:
-        kv_extra["kvstage_key_file"] = args.key_file
-    if args.log_dir:
+    if args.log_dir and not args.dry_run:
         try:
             Path(args.log_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -168,49 +217,93 @@ def run(args: argparse.Namespace) -> int:
                   f"({exc.strerror}); give a writable directory", file=sys.stderr)
             return 2
     device = default_device() if args.device == "auto" else args.device
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="kvstage-serve-"))
     try:
+        if args.role == "all":
             cluster = PDCluster(
-            model=args.model, num_prefill=args.prefill, num_decode=args.decode,
-            connector=args.connector, kv_load_failure_policy=args.kv_load_failure_policy,
-            log_dir=args.log_dir, engine_args=engine_args, device=device,
-            router_port=args.port, start_timeout=args.start_timeout,
-            extra_kv_config=kv_extra or None, router_args=tuple(args.router_arg),
-            share_gpus=args.share_gpus)
-    except ServingError as exc:  # e.g. fewer GPUs than instances: nothing started
+                model=args.model, num_prefill=args.prefill, num_decode=args.decode,
+                connector=args.connector, kv_load_failure_policy=args.kv_load_failure_policy,
+                log_dir=log_dir, engine_args=engine_args, device=device,
+                router_port=args.port, start_timeout=args.start_timeout,
+                extra_kv_config=kv_extra or None, router_args=tuple(args.router_arg),
+                share_gpus=args.share_gpus)
+            servers, router = cluster.instances, None
+        elif args.role == "router":
+            servers, router = [], host_router(
+                args.prefill_url, args.decode_url, host=args.host, port=args.port,
+                metrics_port=args.port + 20000 if args.port < 45536 else args.port - 20000,
+                log_dir=log_dir, extra=tuple(args.router_arg))
+        else:
+            servers, router = host_instances(
+                args.role, args.model, count=count, host=args.host, port=args.port,
+                side_channel_port=args.side_channel_port, engine_args=engine_args,
+                connector=args.connector, policy=args.kv_load_failure_policy,
+                kv_extra=kv_extra, device=device, log_dir=log_dir,
+                share_gpus=args.share_gpus), None
+    except ServingError as exc:  # e.g. fewer GPUs than instances, no key: nothing started
         print(f"kvstage serve-pd: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
+    what = (f"{args.prefill} prefill + {args.decode} decode" if args.role == "all"
+            else f"{len(servers)} {args.role}" if servers else "the router")
+    print(f"kvstage serve-pd: {'commands for' if args.dry_run else 'starting'} {what} "
+          f"({args.connector}, {device}); logs in {log_dir}", flush=True)
+    for inst in [*servers, *([router] if router else [])]:
+        side = (f"NIXL side channel {inst.host}:{inst.side_channel_port}, "
+                if inst.side_channel_port else "")
+        print(f"  {inst.name}: {inst.url}  ({side}log {inst.log_path})\n"
+              f"    $ {inst.command_line()}", flush=True)
+    if args.dry_run:
+        return 0
+    if args.role == "all":
+        return _serve(cluster.start, cluster.stop, lambda: [cluster.router, *servers],
+                      lambda: cluster.router)
+    watched = [*servers, *([router] if router else [])]
+
+    def start() -> None:
+        for inst in watched:  # spawn all, then wait: engines load in parallel
+            inst.spawn()
+        for inst in watched:
+            inst.wait_ready(args.start_timeout)
+
+    def stop() -> None:
+        for inst in reversed(watched):
+            inst.stop()
+
+    return _serve(start, stop, lambda: watched, lambda: router)
+
+
+def _serve(start: Callable[[], object], stop: Callable[[], None],
+           watched: Callable[[], Sequence[Instance | None]],
+           router: Callable[[], Instance | None]) -> int:
+    """Start, serve until SIGINT/SIGTERM (reporting any process that exits), stop."""
+    done = threading.Event()
+    started = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        done.set()
         if not started.is_set():
             raise _Stop
 
-    started = threading.Event()
     previous = signal.signal(signal.SIGTERM, on_signal)
-    print(f"kvstage serve-pd: starting {args.prefill} prefill + {args.decode} decode "
-          f"({args.connector}, {device}); logs in {cluster.log_dir}", flush=True)
     try:
-        for inst in cluster.instances:
-            print(f"  {inst.name}: {inst.url}  (NIXL side channel port "
-                  f"{inst.side_channel_port}, log {inst.log_path})\n    $ {inst.command_line()}",
-                  flush=True)
         try:
-            cluster.start()
+            start()
         except (ServingError, _Stop) as exc:
             print(f"kvstage serve-pd: {exc or 'stopped by SIGTERM'}", file=sys.stderr)
             return 1
         started.set()
-        router = cluster.router
-        assert router is not None
-        print(f"  router: {router.url}\n    $ {router.command_line()}", flush=True)
-        print(f"kvstage serve-pd: ready: {router.url}/v1/completions (Ctrl-C stops all)",
-              flush=True)
+        front = router()
+        if front is not None:
+            print(f"  router: {front.url}\n    $ {front.command_line()}", flush=True)
+            print(f"kvstage serve-pd: ready: {front.url}/v1/completions (Ctrl-C stops all)",
+                  flush=True)
+        else:
+            print("kvstage serve-pd: ready (Ctrl-C stops all)", flush=True)
         signal.signal(signal.SIGINT, on_signal)
         reported: set[str] = set()
-        while not stop.wait(1.0):
-            for inst in [router, *cluster.instances]:
-                if not inst.alive and inst.name not in reported:
+        while not done.wait(1.0):
+            for inst in watched():
+                if inst is not None and not inst.alive and inst.name not in reported:
                     reported.add(inst.name)
                     print(f"kvstage serve-pd: {inst.name} exited; log ends:\n"
                           f"{inst.log_tail(2000)}", file=sys.stderr, flush=True)
@@ -218,5 +311,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        cluster.stop()
+        stop()
         signal.signal(signal.SIGTERM, previous)

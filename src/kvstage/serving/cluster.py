@@ -41,6 +41,7 @@ from kvstage.serving.kv_config import (
     KVSTAGE_CONNECTOR,
     VLLM_HOST_PATH_CONNECTOR,
     free_ports,
+    is_loopback,
     kv_transfer_config,
     side_channel_env,
 )
@@ -136,25 +137,27 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
                         engine_args: EngineArgs, kv_config: dict[str, Any] | None,
                         device: str, cores: tuple[int, ...] | None = None,
                         gpu: str | None = None, side_channel_port: int | None = None,
-                        env: dict[str, str] | None = None) -> Instance:
-    """An api_server `Instance` (not started)."""
+                        env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Instance:
+    """An api_server `Instance` (not started) bound to ``host`` (its HTTP server, NIXL side
+    channel and ``VLLM_HOST_IP``); UCX on loopback only when ``host`` is loopback."""
     argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model,
-            "--host", "127.0.0.1", "--port", str(port), *engine_args.argv()]
+            "--host", host, "--port", str(port), *engine_args.argv()]
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
     # DS: the conv state (dim, state_len), which vLLM's NIXL transfer of Mamba state needs;
     # set on every instance (reference engines too: the same kernels), inert without Mamba
-    child_env = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_NO_USAGE_STATS": "1",
+    child_env = {"VLLM_HOST_IP": host, "VLLM_NO_USAGE_STATS": "1",
                  "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
     if side_channel_port is not None:
-        child_env.update(side_channel_env(side_channel_port))
+        child_env.update(side_channel_env(side_channel_port, host))
     unset: tuple[str, ...] = ()
     if device == "cpu":
         if cores:
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
             child_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
             child_env["OMP_NUM_THREADS"] = str(len(cores))
-        child_env["UCX_NET_DEVICES"] = "lo"
+        if is_loopback(host):
+            child_env["UCX_NET_DEVICES"] = "lo"
         if engine_args.kv_cache_memory_bytes is not None:
             unset = ("VLLM_CPU_KVCACHE_SPACE",)  # it would override --kv-cache-memory-bytes
     elif gpu is not None:
@@ -162,23 +165,25 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
     child_env.update(env or {})
     return Instance(name=name, role=role, argv=argv, port=port, env=child_env,
                     unset_env=unset, log_path=log_dir / f"{name}.log",
-                    side_channel_port=side_channel_port, cores=cores)
+                    side_channel_port=side_channel_port, cores=cores, host=host)
 
 
-def router_instance(prefills: list[Instance], decodes: list[Instance], *, port: int,
-                    metrics_port: int, log_dir: Path, policy: str = "round_robin",
-                    extra: tuple[str, ...] = ()) -> Instance:
-    """vllm-router in vLLM P/D mode (NIXL-style kv_transfer_params) in front of them."""
+def router_instance(prefills: list[Instance] | list[str], decodes: list[Instance] | list[str],
+                    *, port: int, metrics_port: int, log_dir: Path,
+                    policy: str = "round_robin", extra: tuple[str, ...] = (),
+                    host: str = "127.0.0.1") -> Instance:
+    """vllm-router in vLLM P/D mode (NIXL-style kv_transfer_params) in front of the
+    instances (or their URLs), listening on ``host`` (its metrics on 127.0.0.1)."""
     argv = [router_executable(), "--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for p in prefills:
-        argv += ["--prefill", p.url]
+        argv += ["--prefill", p if isinstance(p, str) else p.url]
     for d in decodes:
-        argv += ["--decode", d.url]
-    argv += ["--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+        argv += ["--decode", d if isinstance(d, str) else d.url]
+    argv += ["--host", host, "--port", str(port), "--policy", policy,
              "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
              "--worker-startup-timeout-secs", "60", *extra]
     return Instance(name="router", role="router", argv=argv, port=port,
-                    log_path=log_dir / "router.log")
+                    log_path=log_dir / "router.log", host=host)
 
 
 @dataclass(kw_only=True)

@@ -60,11 +60,13 @@ class Instance:
     health_path: str = "/health"
     side_channel_port: int | None = None
     cores: tuple[int, ...] | None = None
+    host: str = "127.0.0.1"  # the address it binds and peers use
     _proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def pid(self) -> int:

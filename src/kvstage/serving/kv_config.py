@@ -46,5 +46,18 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def side_channel_env(port: int) -> dict[str, str]:
-    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+def side_channel_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
+    """vLLM's NIXL side channel of one instance: the address its peers reach it on."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(port), "VLLM_NIXL_SIDE_CHANNEL_HOST": host}
+
+
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or localhost: reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -10,9 +10,9 @@ Contract
   the tensors the group has layers in, an attention page whole, a state page's states
   only. Bytes no READ writes (a state page's padding, a tensor the group has no layer in)
   keep whatever the block held before on each side, so hashing them failed honest
-  transfers once blocks were reused (found serving the tiny Granite behind vllm-router). The digests go to the scheduler in vLLM's
-  worker -> scheduler channel (``build_connector_worker_meta`` -> `ChecksumMeta` ->
-  ``update_connector_output``).
+  transfers once blocks were reused (found serving the tiny Granite behind vllm-router).
+  The digests go to the scheduler in vLLM's worker -> scheduler channel
+  (``build_connector_worker_meta`` -> `ChecksumMeta` -> ``update_connector_output``).
 - Prefill scheduler (`SchedulerChecksums`): puts them in the ``kv_transfer_params`` it
   returns for the decode, ``"kvstage_checksums": {"xxh3_64": {"<block id>": "<hex>"}}``.
   vLLM 0.32.0 calls ``request_finished`` in ``update_from_output`` BEFORE
