@@ -92,6 +92,23 @@ def default_device() -> str:
     return "cuda" if os.path.exists("/dev/nvidia0") else "cpu"
 
 
+def across_hosts_ucx(host: str) -> dict[str, str]:
+    """UCX for an instance peers reach at ``host``: TCP only (between two network
+    namespaces of one machine UCX would take shared memory and no byte would cross the
+    link), on the interface that holds ``host`` when it is one of this machine's (as
+    kvstage's own roles, `kvstage.transport.ucx_env`)."""
+    from kvstage.transport.ucx_env import ACROSS_HOSTS_TLS, interface_for
+
+    env = {"UCX_TLS": ACROSS_HOSTS_TLS}
+    try:
+        dev = interface_for(host)
+    except (OSError, ValueError):
+        dev = None
+    if dev:
+        env["UCX_NET_DEVICES"] = dev
+    return env
+
+
 def visible_gpus() -> list[str]:
     """``CUDA_VISIBLE_DEVICES``'s entries when it is set, else the NVIDIA device nodes found
     (``/dev/nvidia<N>``, as numbers)."""
@@ -158,6 +175,8 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
             child_env["OMP_NUM_THREADS"] = str(len(cores))
         if is_loopback(host):
             child_env["UCX_NET_DEVICES"] = "lo"
+    if not is_loopback(host):
+        child_env.update(across_hosts_ucx(host))
         if engine_args.kv_cache_memory_bytes is not None:
             unset = ("VLLM_CPU_KVCACHE_SPACE",)  # it would override --kv-cache-memory-bytes
     elif gpu is not None:

@@ -29,21 +29,50 @@ def kv_transfer_config(
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (NIXL side channels).
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (HTTP and NIXL side channels).
 
-    All sockets stay bound until every port is picked: closing each one first would let the
-    kernel hand the same port out twice.
+    Picked at random BELOW the kernel's ephemeral range (``ip_local_port_range``, 32768 up
+    here): a server binds its port tens of seconds after the pick (an engine loads first),
+    and a port from the ephemeral range can meanwhile become the source port of any
+    process's outgoing connection (seen: a prefill's side channel failed with "Address
+    already in use" while other engines ran). All sockets stay bound until every port is
+    picked: closing each one first could hand the same port out twice. Falls back to the
+    kernel's choice if no such port binds.
     """
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(count)]
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    socks: list[socket.socket] = []
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
+        for _ in range(count):
+            s = socket.socket()
+            socks.append(s)
+            for _attempt in range(64):
+                try:
+                    s.bind(("127.0.0.1", rng.randrange(10000, low)))
+                    break
+                except OSError:
+                    continue
+            else:
+                s.bind(("127.0.0.1", 0))
         return [int(s.getsockname()[1]) for s in socks]
     finally:
         for s in socks:
             s.close()
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), else IANA's 49152."""
+    try:
+        from pathlib import Path
+
+        text = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text()
+        low = int(text.split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152
+    return low if low > 10100 else 49152
 
 
 def side_channel_env(port: int, host: str = "127.0.0.1") -> dict[str, str]:
