@@ -35,6 +35,7 @@ from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # noqa: E402
 from kvstage.testing.tiny_hybrids import BUILDERS, DTYPES  # noqa: E402
 from kvstage.testing.vllm_engines import (  # noqa: E402
     KVSTAGE_CONNECTOR,
+    VLLM_HOST_PATH_CONNECTOR,
     Completion,
     EngineError,
     EngineSpec,
@@ -158,3 +159,16 @@ def test_without_ds_conv_layout_refused_in_one_line(tmp_path: Path) -> None:
     log = (tmp_path / "no-ds.log").read_text(errors="replace")
     assert "set VLLM_SSM_CONV_STATE_LAYOUT=DS on both instances" in log
     assert "has Mamba/SSM state layers" in log
+
+
+def test_vllm_own_host_path_does_not_start_on_mamba(tmp_path: Path) -> None:
+    """What kvstage replaces: vLLM 0.32.0's own NIXL host path (per-layer-name host buffers,
+    forced on for CPU by kvstage.testing.vllm_baseline) dies at start on a Mamba2 hybrid,
+    in NIXL's descriptor preparation. If a vLLM fixes this, this test says so."""
+    path = BUILDERS["granite"](tmp_path / "granite")
+    spec = _spec(path, "granite", tmp_path / "own.log", core=0, port=free_ports(1)[0],
+                 kv=kv_transfer_config(VLLM_HOST_PATH_CONNECTOR, "kv_producer"))
+    with VLLMEngine(spec) as engine, pytest.raises(EngineError):
+        engine.start(timeout=240)
+    log = (tmp_path / "own.log").read_text(errors="replace")
+    assert "register_local_xfer_handler" in log and "NIXL_ERR_NOT_FOUND" in log
