@@ -292,3 +292,11 @@ def test_role_router_in_front_of_other_hosts(model_dir: Path,
     assert "--prefill http://10.0.0.1:8100 --decode http://10.0.0.2:8200 --decode " \
            "http://10.0.0.2:8201 --host 10.0.0.3 --port 8000" in line
     assert line.endswith("--health-check-interval-secs=5")
+
+
+def test_nixl_on_cpu_says_it_is_for_comparisons(model_dir: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = _dry(capsys, "--model", str(model_dir), "--role", "prefill", "--device",
+                      "cpu", "--connector", "nixl")
+    assert rc == 0
+    assert "for comparisons only" in err and "serve with --connector kvstage" in err

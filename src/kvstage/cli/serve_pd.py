@@ -243,6 +243,12 @@ def run(args: argparse.Namespace) -> int:
     except ServingError as exc:  # e.g. fewer GPUs than instances, no key: nothing started
         print(f"kvstage serve-pd: {exc}", file=sys.stderr)
         return 2
+    if args.connector == "nixl" and device == "cpu" and args.role != "router":
+        print("kvstage serve-pd: --connector nixl on CPU runs vLLM's own host path through "
+              "kvstage.testing.vllm_baseline (forced on where vLLM's CPU platform turns it "
+              "off), for comparisons only: it gives wrong tokens on hybrid models and does "
+              "not start on Mamba ones; serve with --connector kvstage", file=sys.stderr,
+              flush=True)
     what = (f"{args.prefill} prefill + {args.decode} decode" if args.role == "all"
             else f"{len(servers)} {args.role}" if servers else "the router")
     print(f"kvstage serve-pd: {'commands for' if args.dry_run else 'starting'} {what} "
