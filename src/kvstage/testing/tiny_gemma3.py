@@ -48,14 +48,18 @@ def shared_config_kwargs() -> dict[str, object]:
     )
 
 
-def save_tiny_model(model_cls: type, config: object, path: str | Path, seed: int) -> Path:
-    """Seed, build ``model_cls(config)``, write it and the word-level tokenizer to ``path``."""
+def save_tiny_model(model_cls: type, config: object, path: str | Path, seed: int, *,
+                    cast_to: str | None = None) -> Path:
+    """Seed, build ``model_cls(config)`` (weights cast to ``cast_to``, e.g. "bfloat16",
+    after the float32 init), write it and the word-level tokenizer to ``path``."""
     import torch
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = model_cls(config)
+    if cast_to is not None:
+        model = model.to(getattr(torch, cast_to))
     model.save_pretrained(out, safe_serialization=True)
     build_word_tokenizer(out)
     return out

@@ -57,7 +57,6 @@ from kvstage.testing.tiny_gemma3 import (
     MAX_POSITION_EMBEDDINGS,
     PAD_ID,
     VOCAB_SIZE,
-    build_word_tokenizer,
     save_tiny_model,
 )
 
@@ -77,27 +76,31 @@ QWEN3_NEXT_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 FALCON_H1_NUM_LAYERS = 2
 
 
-def _specials() -> dict[str, object]:
+def _common() -> dict[str, object]:
+    """The fields every tiny hybrid shares: vocabulary and specials, sizes, KV heads."""
     return dict(
         vocab_size=VOCAB_SIZE,
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=2 * HIDDEN_SIZE,
+        num_key_value_heads=NUM_KV_HEADS,
     )
 
 
-def _save_bfloat16(model_cls: type, config: object, path: str | Path, seed: int) -> Path:
-    """`save_tiny_model`, with the weights cast to bfloat16 after the float32 init."""
-    import torch
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    build_word_tokenizer(out)
-    return out
+def _mamba_fields() -> dict[str, object]:
+    """The Mamba2 mixer as Granite's and Falcon-H1's configs name it (``mamba_*``)."""
+    return dict(
+        mamba_n_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
+        mamba_d_head=MAMBA_D_HEAD,
+        mamba_n_groups=MAMBA_N_GROUPS,
+        mamba_d_state=MAMBA_D_STATE,
+        mamba_d_conv=MAMBA_D_CONV,
+        mamba_expand=MAMBA_EXPAND,
+        mamba_chunk_size=MAMBA_CHUNK_SIZE,
+    )
 
 
 def build_tiny_granite_hybrid(path: str | Path, *, seed: int = 0) -> Path:
@@ -106,24 +109,15 @@ def build_tiny_granite_hybrid(path: str | Path, *, seed: int = 0) -> Path:
 
     hf_types = {"mamba": "linear_attention", "attention": "full_attention"}
     config = GraniteMoeHybridConfig(
-        **_specials(),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
+        **_common(),
+        **_mamba_fields(),
         shared_intermediate_size=2 * HIDDEN_SIZE,  # the dense MLP
         num_local_experts=0,
         num_experts_per_tok=0,
         num_hidden_layers=len(GRANITE_LAYER_TYPES),
         layer_types=[hf_types[t] for t in GRANITE_LAYER_TYPES],
         num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
-        num_key_value_heads=NUM_KV_HEADS,
         position_embedding_type="rope",
-        mamba_n_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
-        mamba_d_head=MAMBA_D_HEAD,
-        mamba_n_groups=MAMBA_N_GROUPS,
-        mamba_d_state=MAMBA_D_STATE,
-        mamba_d_conv=MAMBA_D_CONV,
-        mamba_expand=MAMBA_EXPAND,
-        mamba_chunk_size=MAMBA_CHUNK_SIZE,
         tie_word_embeddings=True,
         dtype="float32",
     )
@@ -135,13 +129,10 @@ def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0) -> Path:
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
-        **_specials(),
-        hidden_size=HIDDEN_SIZE,
+        **_common(),
         hybrid_override_pattern=NEMOTRON_H_PATTERN,
         num_hidden_layers=len(NEMOTRON_H_PATTERN),
-        intermediate_size=2 * HIDDEN_SIZE,
         num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
-        num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         ssm_state_size=MAMBA_D_STATE,
         mamba_num_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
@@ -161,13 +152,10 @@ def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        **_specials(),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
+        **_common(),
         num_hidden_layers=len(QWEN3_NEXT_LAYER_TYPES),
         layer_types=list(QWEN3_NEXT_LAYER_TYPES),
         num_attention_heads=2,
-        num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         linear_conv_kernel_dim=MAMBA_D_CONV,
         linear_key_head_dim=HEAD_DIM,
@@ -183,7 +171,7 @@ def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
         tie_word_embeddings=False,  # vLLM's Qwen3Next ignores tying: its lm_head would be junk
         dtype="bfloat16",
     )
-    return _save_bfloat16(Qwen3NextForCausalLM, config, path, seed)
+    return save_tiny_model(Qwen3NextForCausalLM, config, path, seed, cast_to="bfloat16")
 
 
 def build_tiny_falcon_h1(path: str | Path, *, seed: int = 0) -> Path:
@@ -191,21 +179,12 @@ def build_tiny_falcon_h1(path: str | Path, *, seed: int = 0) -> Path:
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     config = FalconH1Config(
-        **_specials(),
-        hidden_size=HIDDEN_SIZE,
-        intermediate_size=2 * HIDDEN_SIZE,
+        **_common(),
+        **_mamba_fields(),
         num_hidden_layers=FALCON_H1_NUM_LAYERS,
         num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
-        num_key_value_heads=NUM_KV_HEADS,
         head_dim=HEAD_DIM,
         mamba_d_ssm=MAMBA_EXPAND * HIDDEN_SIZE,
-        mamba_n_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
-        mamba_d_head=MAMBA_D_HEAD,
-        mamba_n_groups=MAMBA_N_GROUPS,
-        mamba_d_state=MAMBA_D_STATE,
-        mamba_d_conv=MAMBA_D_CONV,
-        mamba_expand=MAMBA_EXPAND,
-        mamba_chunk_size=MAMBA_CHUNK_SIZE,
         tie_word_embeddings=True,
         dtype="float32",
     )
