@@ -11,14 +11,15 @@ import json
 import re
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from kvstage.serving import Instance, Result, complete
+from kvstage.serving import Instance, Result, complete, metric_total
 from kvstage.serving.instances import http_get
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
 
+REQUESTS = "vllm:request_success_total"  # vLLM's counter of finished requests
 REQUEST_TIMEOUT_S = 120.0  # the client's bound on every request
 WAIT_S = 120.0  # bound on every state a test waits for
 RELEASED = "Releasing expired KV blocks for request"  # vLLM's line when a lease ends
@@ -105,3 +106,24 @@ def errors_only(results: list[Result], *needles: str) -> list[str]:
     return [f"request {i}: {r.error or r.token_ids}" for i, r in enumerate(results)
             if r.error is None or not r.error.startswith("HTTP 500: ")
             or not all(n in r.error for n in needles)]
+
+
+def check_ok(results: list[Result], where: Instance, lens: Sequence[int]) -> None:
+    """Every request answered; else each failure (prompt length, error) and ``where``'s log."""
+    failed = [f"prompt {i} ({lens[i]} tokens): {r.error}"
+              for i, r in enumerate(results) if not r.ok]
+    assert not failed, "\n".join(failed) + f"\n{where.name} log ends:\n{where.log_tail()}"
+
+
+def served_since(before: dict[str, float], instances: list[Instance], *,
+                 expect: int) -> dict[str, int]:
+    """Requests each instance finished since ``before`` (vLLM's request_success_total);
+    polled (bounded) until ``expect`` in all, as vLLM may count a request just after its
+    response went out."""
+    deadline = time.monotonic() + 10.0
+    while True:
+        served = {i.name: int(metric_total(i.url, REQUESTS) - before[i.name])
+                  for i in instances}
+        if sum(served.values()) >= expect or time.monotonic() > deadline:
+            return served
+        time.sleep(0.2)

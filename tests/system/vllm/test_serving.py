@@ -17,7 +17,6 @@ and vllm-router into .venv-vllm; elsewhere the module is skipped.
 from __future__ import annotations
 
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +29,6 @@ pytest.importorskip("vllm_router", reason="needs vllm-router: `make test-vllm` i
 
 from kvstage.serving import (  # noqa: E402
     TINY_CPU_ENGINE_ARGS,
-    Instance,
     PDCluster,
     Result,
     complete,
@@ -38,6 +36,7 @@ from kvstage.serving import (  # noqa: E402
     single_instance,
 )
 from kvstage.testing.tiny_gemma3 import SLIDING_WINDOW, VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
+from tests.system.vllm.serving_helpers import REQUESTS, check_ok, served_since  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -48,7 +47,6 @@ MAX_TOKENS = 12
 PROMPT_LENS = (5, 17, BLOCK, 40, SLIDING_WINDOW, 90, 100, MNBT + 10, 150, 200, 250, 300,
                3 * MNBT + 5, 470)
 CONCURRENCY = len(PROMPT_LENS)  # all in flight at once
-REQUESTS = "vllm:request_success_total"
 
 
 def _prompts() -> list[list[int]]:
@@ -75,7 +73,7 @@ def reference(model: str, logs: Path) -> list[list[int]]:
     the machine runs at most four engines)."""
     with single_instance(model, log_dir=logs, engine_args=TINY_CPU_ENGINE_ARGS) as single:
         results = complete(single.url, PROMPTS, MAX_TOKENS, concurrency=CONCURRENCY)
-    _check_ok(results, single)
+    check_ok(results, single, PROMPT_LENS)
     return [r.token_ids or [] for r in results]
 
 
@@ -88,10 +86,6 @@ def cluster(model: str, logs: Path, reference: list[list[int]]) -> Iterator[PDCl
         yield c
 
 
-def _check_ok(results: list[Result], where: Instance) -> None:
-    failed = [f"prompt {i} ({PROMPT_LENS[i]} tokens): {r.error}"
-              for i, r in enumerate(results) if not r.ok]
-    assert not failed, "\n".join(failed) + f"\n{where.name} log ends:\n{where.log_tail()}"
 
 
 def _mismatches(expected: list[list[int]], results: list[Result]) -> list[str]:
@@ -100,17 +94,6 @@ def _mismatches(expected: list[list[int]], results: list[Result]) -> list[str]:
             if r.token_ids != e]
 
 
-def _served_since(before: dict[str, float], instances: list[Instance], *,
-                  expect: int) -> dict[str, int]:
-    """Requests each instance finished since ``before``; polled (bounded) until ``expect``
-    in all, as vLLM may count a request just after its response went out."""
-    deadline = time.monotonic() + 10.0
-    while True:
-        served = {i.name: int(metric_total(i.url, REQUESTS) - before[i.name])
-                  for i in instances}
-        if sum(served.values()) >= expect or time.monotonic() > deadline:
-            return served
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize(("topology", "prefills", "decodes"), [
@@ -129,11 +112,11 @@ def test_router_completions_equal_single_engine(
 
     results = complete(router.url, PROMPTS, MAX_TOKENS, concurrency=CONCURRENCY)
 
-    _check_ok(results, router)
+    check_ok(results, router, PROMPT_LENS)
     assert all(len(r.token_ids or []) == MAX_TOKENS for r in results)
     wrong = _mismatches(reference, results)
     assert not wrong, f"{topology}: {len(wrong)}/{len(PROMPTS)} differ:\n" + "\n".join(wrong)
-    served = _served_since(before, cluster.instances, expect=2 * len(PROMPTS))
+    served = served_since(before, cluster.instances, expect=2 * len(PROMPTS))
     print(f"{topology}: requests served per instance {served}")  # shown with -rP
     # every request went through exactly one prefill and one decode of this topology...
     assert sum(served[p.name] for p in ps) == len(PROMPTS), served

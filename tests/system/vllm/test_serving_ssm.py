@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,16 +42,19 @@ pytest.importorskip("xxhash", reason="the checksum needs xxhash: pip install 'kv
 
 from kvstage.serving import (  # noqa: E402
     TINY_CPU_ENGINE_ARGS,
-    Instance,
     PDCluster,
-    Result,
     complete,
     metric_total,
     single_instance,
 )
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # noqa: E402
 from kvstage.testing.tiny_hybrids import BUILDERS  # noqa: E402
-from tests.system.vllm.serving_helpers import prefill_only  # noqa: E402
+from tests.system.vllm.serving_helpers import (  # noqa: E402
+    REQUESTS,
+    check_ok,
+    prefill_only,
+    served_since,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -65,7 +67,6 @@ MAX_TOKENS = 10
 # and 4 chunks (boundaries mid-block); 470 + 10 tokens fit max_model_len 512
 PROMPT_LENS = (1, 3, 40, MNBT - 1, MNBT, 250, 400, 470)
 CONCURRENCY = len(PROMPT_LENS)  # all in flight at once
-REQUESTS = "vllm:request_success_total"
 CHECKSUM_ERRORS = ("checksum mismatch", "kvstage checksum:")
 
 
@@ -93,7 +94,7 @@ def reference(model: str, logs: Path) -> list[list[int]]:
     one instance per core)."""
     with single_instance(model, log_dir=logs, engine_args=ENGINE_ARGS) as single:
         results = complete(single.url, PROMPTS, MAX_TOKENS, concurrency=CONCURRENCY)
-    _check_ok(results, single)
+    check_ok(results, single, PROMPT_LENS)
     return [r.token_ids or [] for r in results]
 
 
@@ -107,26 +108,11 @@ def cluster(model: str, logs: Path, reference: list[list[int]]) -> Iterator[PDCl
         yield c
 
 
-def _check_ok(results: list[Result], where: Instance) -> None:
-    failed = [f"prompt {i} ({PROMPT_LENS[i]} tokens): {r.error}"
-              for i, r in enumerate(results) if not r.ok]
-    assert not failed, "\n".join(failed) + f"\n{where.name} log ends:\n{where.log_tail()}"
 
 
 ROUNDS = 3
 
 
-def _served_since(before: dict[str, float], instances: list[Instance], *,
-                  expect: int) -> dict[str, int]:
-    """Requests each instance finished since ``before``; polled (bounded) until ``expect``
-    in all, as vLLM may count a request just after its response went out."""
-    deadline = time.monotonic() + 10.0
-    while True:
-        served = {i.name: int(metric_total(i.url, REQUESTS) - before[i.name])
-                  for i in instances}
-        if sum(served.values()) >= expect or time.monotonic() > deadline:
-            return served
-        time.sleep(0.2)
 
 
 def test_router_completions_equal_single_engine(
@@ -141,7 +127,7 @@ def test_router_completions_equal_single_engine(
     # cover exactly what the READ writes (it once failed 2/8, then 8/8 on reuse)
     for round_ in range(ROUNDS):
         results = complete(cluster.router_url, PROMPTS, MAX_TOKENS, concurrency=CONCURRENCY)
-        _check_ok(results, cluster.router)
+        check_ok(results, cluster.router, PROMPT_LENS)
         assert [len(r.token_ids or []) for r in results] == [MAX_TOKENS] * len(PROMPTS)
         wrong = [f"round {round_} prompt {i} ({PROMPT_LENS[i]} tokens): {r.token_ids} != {e}"
                  for i, (e, r) in enumerate(zip(reference, results, strict=True))
@@ -149,7 +135,7 @@ def test_router_completions_equal_single_engine(
         assert not wrong, f"{len(wrong)}/{len(PROMPTS)} differ:\n" + "\n".join(wrong)
 
     total = ROUNDS * len(PROMPTS)
-    served = _served_since(before, cluster.instances, expect=2 * total)
+    served = served_since(before, cluster.instances, expect=2 * total)
     print(f"1P1D granite: requests served per instance {served}")  # shown with -rA
     # every request went through the prefill (max_tokens 1) and then the decode
     assert served == {prefill.name: total, decode.name: total}, served
