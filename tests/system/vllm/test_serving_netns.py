@@ -11,6 +11,8 @@ per host, in two network namespaces joined by a veth pair.
 - The READ crossed the link: the prefill namespace's veth sent at least the KV bytes.
 - A stranger in the decode namespace without the key gets no NIXL metadata from the
   prefill's side channel (kvstage's sealed handshake refuses it).
+- A decode host started with another key file (behind its own router): its requests fail,
+  and its log says the prefill refused the handshake because the keys differ.
 
 The tiny Gemma3 (sliding window + full attention), vLLM 0.32.0 on CPU. Needs root, ``ip
 netns``, taskset and vllm-router; skipped with the reason otherwise. Namespaces and every
@@ -178,6 +180,31 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
             tx = int(_in_ns(P_NS, f"print(open('/sys/class/net/{P_DEV}/statistics/"
                                   "tx_bytes').read())")) - tx0
             stranger = _in_ns(D_NS, STRANGER, P_IP, "5600").strip()
+            # a decode host given another key: its requests fail, its log says why
+            for proc in procs[1:]:
+                proc.terminate()
+                proc.wait(60)
+            other = tmp_path / "other.key"
+            other.write_bytes(os.urandom(32).hex().encode())
+            other.chmod(0o600)
+            logs["wrong"], logs["router2"] = tmp_path / "wrong.out", tmp_path / "router2.out"
+            procs.append(_serve(D_NS, logs["wrong"], "--model", model, "--engine-defaults",
+                                "tiny-cpu", "--key-file", str(other), "--device", "cpu",
+                                "--role", "decode", "--host", D_IP, "--port", "8201",
+                                "--side-channel-port", "5601", "--log-dir",
+                                str(tmp_path / "d2")))
+            _wait_ready(procs[-1], logs["wrong"])
+            procs.append(_serve(D_NS, logs["router2"], "--model", model, "--role", "router",
+                                "--host", D_IP, "--port", "8001",
+                                "--prefill-url", f"http://{P_IP}:8100",
+                                "--decode-url", f"http://{D_IP}:8201",
+                                "--log-dir", str(tmp_path / "r2")))
+            _wait_ready(procs[-1], logs["router2"])
+            two = tmp_path / "two.json"
+            two.write_text(json.dumps(PROMPTS[2:4]))
+            wrong_key = json.loads(_in_ns(D_NS, CLIENT, f"http://{D_IP}:8001", str(two),
+                                          str(MAX_TOKENS)))
+            wrong_log = (tmp_path / "d2" / "decode0.log").read_text(errors="replace")
         finally:
             for proc in reversed(procs):
                 if proc.poll() is None:
@@ -194,6 +221,8 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
     kv_bytes = sum((n - 1) // 32 for n in PROMPT_LENS) * 16384
     print(f"prefill veth sent {tx} bytes for {kv_bytes} bytes of KV")  # shown with -rA
     assert tx >= kv_bytes
+    assert [r["ok"] for r in wrong_key] == [False, False], wrong_key
+    assert "refused the handshake" in wrong_log and "the keys differ" in wrong_log
     # no compatibility hash, no NIXL agent metadata: nothing to READ with
     assert stranger == "None" or stranger.startswith(REFUSED_PREFIX), stranger
     assert not stranger.startswith(HASH_PREFIX), stranger
