@@ -10,6 +10,7 @@ the free block count), stepped so any notification that arrived is processed.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
     KVSTAGE_CONNECTOR,
     PREFILL_REQUEST_PARAMS,
     EngineSpec,
+    HeldState,
     VLLMEngine,
     free_ports,
     kv_transfer_config,
@@ -160,6 +162,17 @@ def test_forged_and_replayed_notifications_free_nothing(prefill: tuple[VLLMEngin
         agent.close()
 
 
+def _settled(engine: VLLMEngine, timeout_s: float = 90.0) -> HeldState:
+    """The prefill's held state once it holds no request (bounded: leases end in 30 s)."""
+    deadline = time.monotonic() + timeout_s
+    state = engine.held()
+    while state.request_ids and time.monotonic() < deadline:
+        time.sleep(1.0)
+        state = engine.held()
+    assert not state.request_ids, f"the prefill still holds {state.request_ids}"
+    return state
+
+
 def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
     model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path
 ) -> None:
@@ -175,7 +188,9 @@ def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
                         key_file=key_file)
     with VLLMEngine(decode_spec) as decode:
         decode.start()
-        before = engine.held()
+        # the previous test leaves one request held until its lease (30 s) ends; measured
+        # across that moment, its blocks would count as freed by this test (CI once failed so)
+        before = _settled(engine)
         first = engine.generate(PROMPTS, max_tokens=1,
                                 kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS) for _ in PROMPTS])
         params = [c.kv_transfer_params for c in first]
