@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstage.integrations.vllm.reads import LOG_PREFIX
+from kvstage.integrations.vllm.reads import READ_LOG as READ
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3
 from kvstage.testing.vllm_engines import (
     KVSTAGE_CONNECTOR,
@@ -47,10 +47,6 @@ from kvstage.testing.vllm_engines import (
 )
 
 PAGE_BYTES = 2 * 32 * 1 * 64 * 4  # the tiny model's block: K+V x 32 tokens x 64 x float32
-READ = re.compile(
-    LOG_PREFIX + r" notif=\S* merged=(\w+) descriptors=(\d+) per_block=(\d+) post_ns=(\d+) "
-    r"bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)"
-)
 
 
 def spec(model: Path, log: Path, core: int, port: int, role: str, pool_blocks: int = 0,

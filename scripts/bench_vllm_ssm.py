@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstage.integrations.vllm.reads import LOG_PREFIX
+from kvstage.integrations.vllm.reads import READ_LOG as READ
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE
 from kvstage.testing.tiny_hybrids import BUILDERS, DTYPES
 from kvstage.testing.vllm_engines import (
@@ -36,10 +36,6 @@ from kvstage.testing.vllm_engines import (
     side_channel_env,
 )
 
-READ = re.compile(
-    LOG_PREFIX + r" notif=\S* merged=(\w+) descriptors=(\d+) per_block=(\d+) post_ns=(\d+) "
-    r"bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)"
-)
 DS = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 
 
@@ -72,13 +68,14 @@ def run_model(name: str, lengths: list[int], rounds: int, logs: Path) -> list[st
         prefill.start()
         decode.start()
         generate_pd(prefill, decode, [prompts[lengths[0]]], max_tokens=2)  # handshake
+        seen = len(READ.findall(decode_log.read_text(errors="replace")))
         for _ in range(rounds):
             for n in lengths:
-                seen = len(READ.findall(decode_log.read_text(errors="replace")))
                 got = generate_pd(prefill, decode, [prompts[n]], max_tokens=8)[0].token_ids
                 exact[n] += got == want[n]
-                new = list(READ.finditer(decode_log.read_text(errors="replace")))[seen:]
-                rows[n].extend(new)
+                reads = list(READ.finditer(decode_log.read_text(errors="replace")))
+                rows[n].extend(reads[seen:])  # this request's READs: the log's new lines
+                seen = len(reads)
     out = []
     for n in lengths:
         reads = rows[n]

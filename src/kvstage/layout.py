@@ -24,7 +24,7 @@ have different dtypes (bf16 attention + fp32 SSM state) is addressed in bytes
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -173,10 +173,8 @@ class KVLayout:
 
     @property
     def storage_dtype(self) -> str:
-        """The dtype every group shares, else "uint8": the pool is then moved as bytes
-        (bf16 attention pages beside fp32 SSM state)."""
-        names = {g.spec.dtype for g in self.groups}
-        return names.pop() if len(names) == 1 else "uint8"
+        """`storage_dtype` of the groups' specs."""
+        return storage_dtype(g.spec for g in self.groups)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -289,6 +287,13 @@ def _check_groups(mine: tuple[KVGroup, ...], theirs: tuple[KVGroup, ...]) -> Non
                     f"incompatible KV layout: group {a.group_id} {f.name} is {x!r} here, "
                     f"{y!r} remote"
                 )
+
+
+def storage_dtype(specs: Iterable[KVSpec]) -> str:
+    """The dtype every spec shares, else "uint8": a pool of groups with other dtypes (bf16
+    attention pages beside fp32 SSM state) is moved as bytes."""
+    names = {spec.dtype for spec in specs}
+    return names.pop() if len(names) == 1 else "uint8"
 
 
 def group_layers(layers: Sequence[tuple[str, KVSpec]]) -> tuple[KVGroup, ...]:

@@ -36,6 +36,7 @@ from kvstage.serving import (
 from kvstage.serving.cluster import DEVICES, default_device, router_executable
 from kvstage.serving.engine_args import with_user_flags
 from kvstage.serving.instances import Instance
+from kvstage.serving.kv_config import free_ports
 from kvstage.serving.roles import ROLES, check_url, host_instances, host_router
 
 MAX_INSTANCES = 16
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
         elif args.role == "router":
             servers, router = [], host_router(
                 args.prefill_url, args.decode_url, host=args.host, port=args.port,
-                metrics_port=args.port + 20000 if args.port < 45536 else args.port - 20000,
+                metrics_port=free_ports(1)[0],
                 log_dir=log_dir, extra=tuple(args.router_arg))
         else:
             servers, router = host_instances(

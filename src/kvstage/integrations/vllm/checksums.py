@@ -210,9 +210,11 @@ class WorkerChecksums:
                     "kv_transfer_params; set %s on the prefill instance too. Failing its "
                     "KV load", req_id, PARAMS_KEY, VERIFY_KEY)
                 continue
-            got = [self._digests(group, [loc])[0] for group, _, loc in pairs]
-            wrong = [(r, loc) for (_, r, loc), g in zip(pairs, got, strict=True)
-                     if want.get(r) != g]
+            got: dict[int, int] = {}  # local block -> digest, one call per group
+            for group in {g for g, _, _ in pairs}:
+                locs = [loc for g, _, loc in pairs if g == group]
+                got.update(zip(locs, self._digests(group, locs), strict=True))
+            wrong = [(r, loc) for _, r, loc in pairs if want.get(r) != got[loc]]
             if wrong:
                 bad.add(req_id)
                 shown = ", ".join(f"remote {r} -> local {loc}" for r, loc in wrong[:4])

@@ -51,8 +51,15 @@ from kvstage.layout import (
     MLASpec,
     SlidingWindowSpec,
     dtype_name,
+    storage_dtype,
 )
 from kvstage.plan import runs_of_ids
+
+
+def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
+    """Bytes from one logical block of layer ``t`` to the next (``t`` lists
+    ``num_blocks x r`` kernel blocks)."""
+    return t.stride(0) * t.element_size() * (t.shape[0] // num_blocks)
 
 
 def _rows(name: str, t: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
@@ -68,7 +75,7 @@ def _rows(name: str, t: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> to
         )
     item = t.element_size()
     ratio = t.shape[0] // num_blocks
-    page = t.stride(0) * item * ratio  # bytes from one logical block to the next
+    page = _page_bytes(t, num_blocks)
     offset = t.storage_offset() * item
     reach = (ratio - 1) * t.stride(0) * item + sum(
         (n - 1) * st * item for n, st in zip(t.shape[1:], t.stride()[1:], strict=True)
@@ -117,12 +124,9 @@ def unsupported(vllm_spec: Any, model: str) -> str | None:
     )
 
 
-def _spec(vllm_spec: Any, page_bytes: int, dtype: torch.dtype, model: str = "") -> KVSpec:
-    """A kvstage spec for vLLM's ``vllm_spec`` whose logical page is ``page_bytes``; an
-    attention layer's dtype is its tensor's (``dtype``)."""
-    why = unsupported(vllm_spec, model)
-    if why:
-        raise ValueError(why)
+def _spec(vllm_spec: Any, page_bytes: int, dtype: torch.dtype) -> KVSpec:
+    """A kvstage spec for vLLM's ``vllm_spec`` (one `unsupported` let through) whose
+    logical page is ``page_bytes``; an attention layer's dtype is its tensor's (``dtype``)."""
     if type(vllm_spec).__name__ == "MambaSpec":
         return MambaSpec(
             block_size=int(vllm_spec.block_size),
@@ -154,10 +158,6 @@ def _spec(vllm_spec: Any, page_bytes: int, dtype: torch.dtype, model: str = "") 
                              dtype=name)
 
 
-def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
-    return t.stride(0) * t.element_size() * (t.shape[0] // max(num_blocks, 1))
-
-
 def kvstage_groups(
     groups: Sequence[tuple[Sequence[str], Any]],
     device_caches: Mapping[str, torch.Tensor],
@@ -177,13 +177,8 @@ def kvstage_groups(
     for names, vllm_spec in groups:
         first = device_caches[names[0]]
         page = _page_bytes(first, num_blocks)
-        out.append((list(names), _spec(vllm_spec, page, first.dtype, model)))
+        out.append((list(names), _spec(vllm_spec, page, first.dtype)))
     return out
-
-
-def _storage_dtype(groups: Sequence[tuple[Sequence[str], KVSpec]]) -> torch.dtype:
-    names = {spec.dtype for _, spec in groups}
-    return DTYPES[names.pop()] if len(names) == 1 else torch.uint8
 
 
 class EngineCopyOp:
@@ -199,7 +194,7 @@ class EngineCopyOp:
         names = [n for g, _ in groups for n in g]
         if num_blocks is None:
             num_blocks = int(device_caches[names[0]].shape[0])
-        dtype = _storage_dtype(groups)
+        dtype = DTYPES[storage_dtype(spec for _, spec in groups)]
         device = {n: _rows(n, device_caches[n], num_blocks, dtype) for n in names}
         host = {n: _rows(n, host_caches[n], num_blocks, dtype) for n in names}
         for n in names:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,12 @@ import numpy as np
 MERGE_READS_KEY = "kvstage_merge_reads"
 LOG_READS_KEY = "kvstage_log_reads"
 LOG_PREFIX = "kvstage READ"
+#: one logged READ line (``kvstage_log_reads``): merged, descriptors, per_block, post_ns,
+#: bytes, xfer_us, nixl_post_us, nixl_descs as groups 1-8 (what the benches parse)
+READ_LOG = re.compile(
+    LOG_PREFIX + r" notif=\S* merged=(\w+) descriptors=(\d+) per_block=(\d+) post_ns=(\d+) "
+    r"bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)"
+)
 MAX_RECORDS = 256
 
 
