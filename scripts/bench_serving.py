@@ -7,6 +7,9 @@ half of the cores, decodes on the rest; singles on one core), each started, meas
 stopped in turn (``--rounds`` > 1 repeats the whole list in a rotated order, so no
 deployment always runs first or last):
 - ``kvstage-hybrid``: 1P1D, KVStageConnector, the tiny hybrid Gemma3;
+- ``kvstage-hybrid-2p2d``: the same with 2 prefills and 2 decodes behind one router (round
+  robin on both sides): every decode's request count is reported, so "both decodes used" is
+  read from the table;
 - ``nixl-nonhybrid`` / ``nixl-hybrid``: 1P1D, vLLM's NixlConnector host path (forced on for
   CPU), the tiny Llama (full attention only: vLLM's path is right there) / the hybrid Gemma3;
 - ``single-hybrid`` / ``single-nonhybrid``: one plain api_server (the reference).
@@ -53,12 +56,16 @@ from kvstage.testing.tiny_llama import build_tiny_llama
 # name -> (P/D connector or None for a single engine, model)
 CONFIGS: dict[str, tuple[str | None, str]] = {
     "kvstage-hybrid": ("kvstage", "hybrid"),
+    "kvstage-hybrid-2p2d": ("kvstage", "hybrid"),
     "nixl-nonhybrid": ("nixl", "nonhybrid"),
     "nixl-hybrid": ("nixl", "hybrid"),
     "single-hybrid": (None, "hybrid"),
     "single-nonhybrid": (None, "nonhybrid"),
 }
-DECODE_METRICS = (
+# name -> (prefills, decodes) where not 1P1D
+TOPOLOGY: dict[str, tuple[int, int]] = {"kvstage-hybrid-2p2d": (2, 2)}
+REQUESTS = "vllm:request_success_total"  # per decode: which decodes the router used
+DECODE_METRICS = (REQUESTS, 
     "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
     "vllm:nixl_bytes_transferred_sum", "vllm:kvstage_h2d_time_seconds_sum",
     "vllm:kvstage_h2d_time_seconds_count", "vllm:nixl_num_failed_transfers_total",
@@ -97,17 +104,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def deployment(name: str, model: str, logs: Path) -> Iterator[tuple[str, str | None]]:
-    """(router or single url, decode url or None) of a started deployment; stopped after."""
+def deployment(name: str, model: str, logs: Path) -> Iterator[tuple[str, list[str]]]:
+    """(router or single url, decode urls: none for a single engine) of a started
+    deployment; stopped after."""
     connector, _ = CONFIGS[name]
     if connector is None:
         with single_instance(model, log_dir=logs, start_timeout=START_S,
                              engine_args=TINY_CPU_ENGINE_ARGS) as s:
-            yield s.url, None
+            yield s.url, []
     else:
+        num_prefill, num_decode = TOPOLOGY.get(name, (1, 1))
         with PDCluster(model=model, connector=connector, log_dir=logs,
+                       num_prefill=num_prefill, num_decode=num_decode,
                        start_timeout=START_S, engine_args=TINY_CPU_ENGINE_ARGS) as c:
-            yield c.router_url, c.decodes[0].url
+            yield c.router_url, [d.url for d in c.decodes]
 
 
 def exact_prompts(n: int, seed: int) -> list[list[int]]:
@@ -137,32 +147,35 @@ def load_point(url: str, model_path: str, concurrency: int, args: argparse.Names
     return main(bench)
 
 
-def decode_metrics(url: str | None) -> dict[str, float]:
-    if url is None:
-        return {}
-    time.sleep(1.0)  # the last step's stats reach the front end with the next output
-    return {m: metric_total(url, m) for m in DECODE_METRICS}
+def decode_metrics(urls: list[str]) -> list[dict[str, float]]:
+    """Each decode's counters (none for a single engine)."""
+    if urls:
+        time.sleep(1.0)  # the last step's stats reach the front end with the next output
+    return [{m: metric_total(url, m) for m in DECODE_METRICS} for url in urls]
 
 
 def run_deployment(name: str, model: str, args: argparse.Namespace, logs: Path) -> dict:
     out: dict[str, Any] = {"config": name, "points": {}, "error": None}
     start = time.monotonic()
     try:
-        with deployment(name, model, logs / f"{name}-{int(time.time())}") as (url, decode):
+        with deployment(name, model, logs / f"{name}-{int(time.time())}") as (url, decodes):
             out["start_s"] = round(time.monotonic() - start, 1)
             results = complete(url, exact_prompts(args.exact_prompts, args.seed),
                                max_tokens=args.output_len, concurrency=8)
             out["exact"] = [r.token_ids if r.ok else f"ERROR {r.error}" for r in results]
             for conc in args.concurrency:
-                before = decode_metrics(decode)
+                before = decode_metrics(decodes)
                 res = load_point(url, model, conc, args)
-                after = decode_metrics(decode)
+                after = decode_metrics(decodes)
                 point = {k: res.get(k) for k in (
                     "completed", "failed", "duration", "request_throughput", "median_ttft_ms",
                     "p99_ttft_ms", "mean_ttft_ms", "mean_itl_ms", "p99_itl_ms")}
                 point["texts"] = res.get("generated_texts", [])
                 point["errors"] = [e for e in res.get("errors", []) if e][:5]
-                point["decode_metrics"] = {k: after[k] - before[k] for k in after}
+                deltas = [{k: a[k] - b[k] for k in a} for a, b in zip(after, before, strict=True)]
+                point["decode_metrics"] = {k: sum(d[k] for d in deltas) for k in DECODE_METRICS} \
+                    if deltas else {}
+                point["requests_per_decode"] = [int(d[REQUESTS]) for d in deltas]
                 out["points"][str(conc)] = point
                 print(f"{name} c={conc}: {point['completed']} done, "
                       f"{point['request_throughput']:.2f} req/s, "
@@ -205,14 +218,15 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> tuple[list[dict], s
                          "req_per_s": p["request_throughput"], "ttft_p50_ms": p["median_ttft_ms"],
                          "ttft_p99_ms": p["p99_ttft_ms"], "itl_mean_ms": p["mean_itl_ms"],
                          "wrong_texts": wrong, "exact_wrong": exact_wrong,
-                         "kv_ms_per_request": ms, "kv_share_of_ttft": share})
+                         "kv_ms_per_request": ms, "kv_share_of_ttft": share,
+                         "requests_per_decode": p.get("requests_per_decode", [])})
     def f(v: Any, fmt: str) -> str:
         return "-" if v is None else format(v, fmt)
     lines = [
         "| deployment | round | conc. | completed / failed | req/s | TTFT p50 ms | TTFT p99 ms | "
         "ITL mean ms | wrong vs single (bench texts; exact pass) | KV transfer ms/req "
-        "(share of mean TTFT) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "(share of mean TTFT) | requests per decode |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for w in sorted(rows, key=lambda w: (list(CONFIGS).index(w["config"]), w["concurrency"],
                                          w["round"])):
@@ -224,7 +238,8 @@ def summarize(runs: list[dict], args: argparse.Namespace) -> tuple[list[dict], s
             f"{f(w['req_per_s'], '.2f')} | {f(w['ttft_p50_ms'], '.1f')} | "
             f"{f(w['ttft_p99_ms'], '.1f')} | {f(w['itl_mean_ms'], '.2f')} | "
             f"{f(w['wrong_texts'], 'd')}/{args.num_prompts}; "
-            f"{f(w['exact_wrong'], 'd')}/{args.exact_prompts} | {kv} |")
+            f"{f(w['exact_wrong'], 'd')}/{args.exact_prompts} | {kv} | "
+            f"{' + '.join(map(str, w['requests_per_decode'])) or '-'} |")
     for r in runs:
         if r["error"]:
             lines.append(f"\n{r['config']}: failed: {r['error'][:300]}")
