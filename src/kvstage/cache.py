@@ -28,6 +28,7 @@ Host layouts:
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 
 from kvstage.errors import LayoutMismatch
 from kvstage.layout import CacheLayout, KVGroup, KVLayout, KVSpec
+from kvstage.pinned import pinned_bytes
 
 
 class HostLayout(enum.Enum):
@@ -289,10 +291,14 @@ class HostBuffer:
         shape = (nb, t, p, e) if host_layout is HostLayout.BLOCK_MAJOR else (t, p, nb, e)
         if pin_memory and not torch.cuda.is_available():
             raise ValueError("pin_memory=True needs CUDA; pinned host memory is a CUDA concept")
-        self.storage = torch.empty(shape, dtype=layout.torch_dtype, pin_memory=pin_memory)
-        # fault every page in at start-up: torch.zeros maps lazily (calloc), and a first
-        # READ into untouched pages is several times slower (BENCHMARKS.md)
-        self.storage.zero_()
+        if pin_memory:  # exactly the pool's bytes, page-locked (kvstage.pinned: why)
+            nbytes = math.prod(shape) * torch.empty((), dtype=layout.torch_dtype).element_size()
+            self.storage = pinned_bytes(nbytes).view(layout.torch_dtype).view(shape)
+        else:
+            self.storage = torch.empty(shape, dtype=layout.torch_dtype)
+            # fault every page in at start-up: torch.zeros maps lazily (calloc), and a first
+            # READ into untouched pages is several times slower (BENCHMARKS.md)
+            self.storage.zero_()
         self.pinned = pin_memory
         self._views: list[torch.Tensor] | None = None  # set by wrap_layers only
 

@@ -23,6 +23,8 @@ from collections.abc import Mapping
 
 import torch
 
+from kvstage.pinned import pinned_bytes
+
 
 def mirror_host_buffers(
     device_caches: Mapping[str, torch.Tensor], *, pin_memory: bool | None = None
@@ -45,7 +47,9 @@ def mirror_host_buffers(
         if ptr not in storages:
             # Round up to 8 bytes so any dtype can view the allocation.
             nbytes = -(-storage.nbytes() // 8) * 8
-            storages[ptr] = torch.zeros(nbytes, dtype=torch.int8, pin_memory=pin_memory)
+            # pinned: exactly nbytes page-locked, not torch's power-of-two block (pinned.py)
+            storages[ptr] = (pinned_bytes(nbytes).view(torch.int8) if pin_memory
+                             else torch.zeros(nbytes, dtype=torch.int8))
         host = storages[ptr].view(cache.dtype)
         views[name] = torch.as_strided(host, cache.shape, cache.stride(), cache.storage_offset())
     return views
