@@ -14,6 +14,11 @@ non-loopback address without a key unless ``insecure``.
 
 `send_raw` sends bytes a `SideChannelClient` would never produce (tests, benches, fuzzing)
 and returns the raw reply, or None when none comes within its bound.
+
+The same two sockets carry vLLM's NIXL handshake for `KVStageConnector`
+(`kvstage.integrations.vllm.secure_handshake`): the server's `poll_raw`/`send_frames` hand
+it unopened payloads and take its reply frames, the client's `exchange` is one bounded REQ
+round trip of bytes the caller sealed.
 """
 
 from __future__ import annotations
@@ -60,29 +65,29 @@ class SideChannelClient:
                  key: bytes | None = None) -> None:
         if not 0 < timeout_s < float("inf"):
             raise InvalidRequest(f"timeout_s must be a finite number > 0, got {timeout_s}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.endpoint = f"tcp://[{host.strip('[]')}]:{port}" if ":" in host else \
+            f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
         self._auth = Authenticator(key)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
 
-    def call(self, msg: Message, *, timeout_s: float | None = None) -> Message:
+    def exchange(self, wire: bytes, *, timeout_s: float | None = None) -> bytes:
+        """Send ``wire`` (already sealed, or plain) on a fresh REQ socket and return the
+        reply's bytes; `HandshakeTimeout` when none comes within the bound."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        sock = self._ctx.socket(zmq.REQ)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        try:
-            sock.connect(self.endpoint)
-            wire, nonce = self._auth.seal(msg)
-            sock.send(wire)
-            if not sock.poll(int(timeout * 1000), zmq.POLLIN):
-                raise HandshakeTimeout(
-                    f"no answer from {self.endpoint} within {timeout:.1f} s: is a kvstage "
-                    "prefill worker listening there (kvstage prefill --listen HOST:PORT), "
-                    "and is the address reachable?"
-                )
-            reply = self._auth.open_reply(sock.recv(), nonce)
-        finally:
-            sock.close(linger=0)
+        reply = _request(self._ctx, self.endpoint, wire, timeout_s=timeout,
+                         max_reply_bytes=MAX_MESSAGE_BYTES)
+        if reply is None:
+            raise HandshakeTimeout(
+                f"no answer from {self.endpoint} within {timeout:.1f} s: is a kvstage "
+                "prefill worker listening there (kvstage prefill --listen HOST:PORT), "
+                "and is the address reachable?"
+            )
+        return reply
+
+    def call(self, msg: Message, *, timeout_s: float | None = None) -> Message:
+        wire, nonce = self._auth.seal(msg)
+        reply = self._auth.open_reply(self.exchange(wire, timeout_s=timeout_s), nonce)
         if isinstance(reply, Error):
             raise PeerError(
                 f"{self.endpoint} refused {type(msg).__name__}: {reply.message}", reply.code
@@ -98,15 +103,26 @@ def send_raw(host: str, port: int, payload: bytes, *, timeout_s: float) -> bytes
     produce (garbage, replays, messages sealed with another key). Nothing is sealed,
     checked or decoded; the socket is always closed (LINGER 0), so a late reply is lost.
     """
+    return _request(zmq.Context.instance(), f"tcp://{host}:{port}", payload,
+                    timeout_s=timeout_s)
+
+
+def _request(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, payload: bytes, *,
+             timeout_s: float, max_reply_bytes: int | None = None) -> bytes | None:
+    """The one REQ round trip: a fresh socket (LINGER 0, so a late reply is lost), the
+    reply's bytes or None when none arrives within ``timeout_s`` (sending included)."""
     if not 0 < timeout_s < float("inf"):
         raise InvalidRequest(f"timeout_s must be a finite number > 0, got {timeout_s}")
     deadline = time.monotonic() + timeout_s
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, max(1, math.ceil(timeout_s * 1000)))
+    if endpoint.startswith("tcp://["):
+        sock.setsockopt(zmq.IPV6, 1)
+    if max_reply_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
     try:
-        sock.connect(f"tcp://{host}:{port}")
+        sock.connect(endpoint)
         try:
             sock.send(payload)
         except zmq.Again:  # could not even queue it within the bound
@@ -131,18 +147,22 @@ class SideChannelServer:
     """A non-blocking ROUTER: `poll` returns at most one (route, message or error)."""
 
     def __init__(self, host: str = DEFAULT_HOST, port: int = 0, *, key: bytes | None = None,
-                 insecure: bool = False) -> None:
+                 insecure: bool = False, max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
         check_bind(host, key, insecure=insecure)
         self._auth = Authenticator(key)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+        where = host
+        if ":" in host:  # an IPv6 literal (vLLM's side-channel host may be one)
+            self._sock.setsockopt(zmq.IPV6, 1)
+            where = f"[{host.strip('[]')}]"
         try:
             if port == 0:
-                self.port = self._sock.bind_to_random_port(f"tcp://{host}")
+                self.port = self._sock.bind_to_random_port(f"tcp://{where}")
             else:
-                self._sock.bind(f"tcp://{host}:{port}")
+                self._sock.bind(f"tcp://{where}:{port}")
                 self.port = port
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
@@ -152,10 +172,10 @@ class SideChannelServer:
     def poll(self, timeout_s: float) -> tuple[Route, Message | Exception] | None:
         """One request: its route and the message, or the error (`Unauthorized`,
         `ProtocolMismatch`) that refused it."""
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+        got = self.poll_raw(timeout_s)
+        if got is None:
             return None
-        frames = self._sock.recv_multipart()
-        routing, payload = frames[:-1], frames[-1]
+        routing, payload = got
         try:
             msg, nonce = self._auth.open_request(payload)
         except (ValueError, PermissionError) as exc:
@@ -166,9 +186,20 @@ class SideChannelServer:
             )
         return Route(routing, nonce), msg
 
+    def poll_raw(self, timeout_s: float) -> tuple[list[bytes], bytes] | None:
+        """One request as it arrived: its routing frames and its last frame, unopened."""
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            return None
+        frames = self._sock.recv_multipart()
+        return frames[:-1], frames[-1]
+
     def reply(self, route: Route, msg: Message) -> None:
         wire, _ = self._auth.seal(msg, reply_to=route.nonce)
-        self._sock.send_multipart([*route.frames, wire])
+        self.send_frames(route.frames, [wire])
+
+    def send_frames(self, routing: list[bytes], frames: list[bytes]) -> None:
+        """Reply with ``frames`` as they are (the caller sealed what needs sealing)."""
+        self._sock.send_multipart([*routing, *frames])
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -13,23 +13,32 @@ Wire (one REQ/ROUTER exchange per (pp rank, tp rank), as vLLM's):
   mismatch that says why, and kvstage's raises `HandshakeRefused` with the reason.
 
 `serve_handshake` is the prefill-side listener (the thread vLLM's scheduler starts, same
-arguments as vLLM's ``_nixl_handshake_listener``): it never dies on hostile input, bounds
-messages to `MAX_QUERY_BYTES`, and stops within 1 s of ``stop_event``.
+arguments as vLLM's ``_nixl_handshake_listener``) over kvstage's own side-channel socket
+(`kvstage.pd.side_channel.SideChannelServer`, raw mode): it never dies on hostile input,
+bounds messages to `MAX_QUERY_BYTES`, and stops within 1 s of ``stop_event``.
 
-Decode side: `install` wraps the ``zmq_ctx`` that vLLM's ``_nixl_handshake`` opens its REQ
-socket with; inside `sealed_handshakes(key)` (a thread-local switch, set by
-`KVStageConnectorWorker._nixl_handshake` around vLLM's method in vLLM's handshake thread)
-that socket seals the query and opens the reply, so vLLM's own handshake code runs
-unchanged on the verified bytes. Elsewhere, and without a key, it is vLLM's socket.
-`fetch_payload` is the same exchange for one rank, bounded (diagnostics, tests).
+Decode side, with a key: `SealedHandshake` runs vLLM's own ``_nixl_handshake`` code (TP
+mapping, hash check, agent registration: all vLLM's) with ONE name rebound in a private copy
+of its globals: ``zmq_ctx`` opens kvstage's REQ socket (`SideChannelClient.exchange`) that
+seals the query and opens the reply. Nothing in vLLM is modified, no other socket is
+touched; at start it refuses, in one line, a vLLM whose ``_nixl_handshake`` source is not
+the one recorded (`HANDSHAKE_SHA256`), as that code is what it relies on (it opens one
+``zmq_ctx(zmq.REQ, path)`` and calls ``setsockopt``, ``send``, ``recv_multipart`` on it).
+Without a key the worker runs vLLM's method as it is. `fetch_payload` is the same exchange
+for one rank, bounded (diagnostics, tests).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import hashlib
+import inspect
+import sys
 import threading
 import time
-from collections.abc import Iterator
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -37,17 +46,19 @@ import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlHandshakePayload
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.logger import init_logger
-from vllm.utils.network_utils import make_zmq_path
 
 from kvstage.pd.auth import Authenticator
-from kvstage.pd.side_channel import send_raw
+from kvstage.pd.side_channel import SideChannelClient, SideChannelServer, send_raw
 
 logger = init_logger(f"vllm.{__name__}")
 
 REFUSED_PREFIX = "kvstage-refused: "
 MAX_QUERY_BYTES = 1 << 12  # a sealed query is ~150 bytes
 MAX_REASON_CHARS = 300
-_local = threading.local()
+#: `source_sha256` of ``NixlBaseConnectorWorker._nixl_handshake``, the vLLM code
+#: `SealedHandshake` runs with kvstage's socket (the same source in these versions)
+HANDSHAKE_SHA256 = "cb2c6a99930e8e968917e9ef1cda7cabe42c0a2ed6704cf9b890c71715d58830"
+HANDSHAKE_VERSIONS = ("0.32.0", "0.33.0")
 
 
 class HandshakeRefused(RuntimeError):
@@ -108,26 +119,25 @@ def serve_handshake(encoded: dict[tuple[int, int], bytes], ready_event: threadin
                     stop_event: threading.Event, host: str, port: int, *,
                     key: bytes | None) -> None:
     """The prefill's handshake listener (runs in vLLM's listener thread until stopped)."""
+    try:
+        # the connector's Security.from_config refused an unkeyed public address at start,
+        # worded for vLLM users: the server does not ask again
+        server = SideChannelServer(host, port, key=key, insecure=True,
+                                   max_message_bytes=MAX_QUERY_BYTES)
+    finally:
+        ready_event.set()  # a failed bind must not leave vLLM waiting forever
     auth = Authenticator(key)  # owned by this thread (its replay cache)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
     num_refused = 0
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_QUERY_BYTES)
-        path = make_zmq_path("tcp", host, port)
-        if path.startswith("tcp://["):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.bind(path)
-        ready_event.set()
         while not stop_event.is_set():
-            if not sock.poll(1000, zmq.POLLIN):
+            got = server.poll_raw(1.0)
+            if got is None:
                 continue
-            frames = sock.recv_multipart()
-            if len(frames) != 3 or frames[1] != b"":  # not a REQ socket: nothing to answer
+            routing, query = got
+            if len(routing) != 2 or routing[1] != b"":  # not a REQ socket: nothing to answer
                 continue
             try:
-                reply, reason = answer(frames[2], encoded, auth)
+                reply, reason = answer(query, encoded, auth)
             except Exception as e:  # hostile input must never stop the listener
                 reply, reason = refusal(f"unreadable query ({type(e).__name__})"), "unreadable"
             if reason is not None:
@@ -135,11 +145,9 @@ def serve_handshake(encoded: dict[tuple[int, int], bytes], ready_event: threadin
                 if num_refused <= 10 or num_refused % 1000 == 0:
                     logger.warning("kvstage: refused a NIXL handshake query (%d so far): %s",
                                    num_refused, reason)
-            sock.send_multipart([frames[0], b"", *reply])
+            server.send_frames(routing, reply)
     finally:
-        ready_event.set()  # a failed bind must not leave vLLM waiting forever
-        sock.close(linger=0)
-        ctx.term()
+        server.close()
 
 
 def open_reply(frame: bytes, auth: Authenticator, nonce: bytes,
@@ -169,56 +177,91 @@ def open_reply(frame: bytes, auth: Authenticator, nonce: bytes,
 
 
 class _SealedReq:
-    """The REQ socket vLLM's ``_nixl_handshake`` uses, sealing what it sends and opening
-    what it receives (only the three methods that code calls)."""
+    """kvstage's REQ socket in the shape vLLM's ``_nixl_handshake`` uses (only the three
+    methods that code calls): sends the query sealed, returns the opened reply as vLLM's
+    two frames."""
 
-    def __init__(self, sock: Any, key: bytes, where: str) -> None:
-        self._sock = sock
+    def __init__(self, addr: str, key: bytes) -> None:
+        host, _, port = addr.removeprefix("tcp://").rpartition(":")
+        self._client = SideChannelClient(host.strip("[]"), int(port))
         self._auth = Authenticator(key)
-        self._where = where
-        self._nonce = b""
+        self._where = f"{host}:{port}"
+        self._timeout_s: float | None = None
+        self._wire, self._nonce = b"", b""
 
     def setsockopt(self, option: int, value: Any) -> None:
-        self._sock.setsockopt(option, value)
+        if option == zmq.RCVTIMEO and value > 0:  # vLLM bounds the reply wait (ms)
+            self._timeout_s = value / 1000
 
     def send(self, data: bytes) -> None:
-        wire, self._nonce = self._auth.seal_bytes(bytes(data))
-        self._sock.send(wire)
+        self._wire, self._nonce = self._auth.seal_bytes(bytes(data))
 
     def recv_multipart(self) -> list[bytes]:
-        frames = self._sock.recv_multipart()
-        payload, remote_perf = open_reply(frames[0], self._auth, self._nonce, self._where)
+        frame = self._client.exchange(self._wire, timeout_s=self._timeout_s)
+        payload, remote_perf = open_reply(frame, self._auth, self._nonce, self._where)
         return [payload, msgspec.msgpack.encode(remote_perf)]
 
 
-@contextlib.contextmanager
-def sealed_handshakes(key: bytes | None) -> Iterator[None]:
-    """Inside, on this thread, vLLM's handshake sockets are sealed with ``key`` (None:
-    vLLM's own)."""
-    before = getattr(_local, "key", None)
-    _local.key = key
-    try:
-        yield
-    finally:
-        _local.key = before
+def source_sha256(module_source: str, qualname: str) -> str:
+    """sha256 of the source lines of ``Class.method`` in ``module_source`` (found by ast, so
+    the same digest comes from an installed vLLM and from a wheel's file)."""
+    cls_name, name = qualname.split(".")
+    tree = ast.parse(module_source)
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef) and cls.name == cls_name:
+            for node in cls.body:
+                if isinstance(node, ast.FunctionDef) and node.name == name:
+                    assert node.end_lineno is not None
+                    lines = module_source.splitlines()[node.lineno - 1:node.end_lineno]
+                    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    raise LookupError(f"no {qualname} in that source")
 
 
-def install() -> None:
-    """Wrap vLLM's ``base_worker.zmq_ctx`` once per process (see the module doc)."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+class SealedHandshake:
+    """vLLM's ``_nixl_handshake`` with its ``zmq_ctx`` bound to kvstage's sealed socket;
+    call it as the method: ``sealed(worker, host, port, ...)``."""
 
-    original = base_worker.zmq_ctx
-    if getattr(original, "kvstage_sealed", False):
-        return
+    def __init__(self, key: bytes) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
+
+        func = NixlConnectorWorker._nixl_handshake
+        check_recorded(func)
+        scope = dict(func.__globals__)
+        scope["zmq_ctx"] = self._socket
+        run = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__,
+                                 func.__closure__)
+        run.__kwdefaults__ = func.__kwdefaults__
+        self._run: Callable[..., tuple[dict[tuple[int, int], str], float]] = run
+        self._key = key
+
+    @classmethod
+    def for_key(cls, key: bytes | None) -> SealedHandshake | None:
+        """The sealed handshake for ``key`` (checked against vLLM now); None without one."""
+        return None if key is None else cls(key)
 
     @contextlib.contextmanager
-    def zmq_ctx(socket_type: Any, addr: str) -> Iterator[Any]:
-        key = getattr(_local, "key", None)
-        with original(socket_type, addr) as sock:
-            yield sock if key is None or socket_type != zmq.REQ else _SealedReq(sock, key, addr)
+    def _socket(self, socket_type: Any, addr: str) -> Iterator[_SealedReq]:
+        assert socket_type == zmq.REQ, "vLLM's handshake opens a REQ socket only"
+        yield _SealedReq(addr, self._key)
 
-    zmq_ctx.kvstage_sealed = True  # type: ignore[attr-defined]
-    base_worker.zmq_ctx = zmq_ctx
+    def __call__(self, worker: Any, *args: Any,
+                 **kwargs: Any) -> tuple[dict[tuple[int, int], str], float]:
+        return self._run(worker, *args, **kwargs)
+
+
+def check_recorded(func: Any) -> None:
+    """Refuse (RuntimeError, one line) a vLLM whose ``func`` is not the recorded code."""
+    import vllm
+
+    module = sys.modules[func.__module__]
+    digest = source_sha256(inspect.getsource(module), func.__qualname__)
+    if digest != HANDSHAKE_SHA256:
+        raise RuntimeError(
+            f"kvstage cannot seal vLLM {vllm.__version__}'s NIXL handshake: "
+            f"{func.__qualname__} ({func.__module__}) is not the code kvstage recorded "
+            f"(source sha256 {digest[:16]}, recorded {HANDSHAKE_SHA256[:16]}, vLLM "
+            f"{', '.join(HANDSHAKE_VERSIONS)}); run a supported vLLM, or run without a key"
+        )
 
 
 def fetch_payload(host: str, port: int, key: bytes | None, *, pp_rank: int = 0,

@@ -3,7 +3,7 @@ merged READs, sealed handshake, notification guard, checksums and stats.
 
 Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc.
 Threads: copies run where vLLM calls them (the worker's step); vLLM's handshake thread runs
-the sealed query (`secure_handshake.sealed_handshakes`).
+the sealed query (`secure_handshake.SealedHandshake`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,10 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         secure.guard_notifications(
             self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
         )
-        secure_handshake.install()
+        # with a key, vLLM's handshake code on kvstage's sealed socket (checked at start)
+        self._kvstage_handshake = secure_handshake.SealedHandshake.for_key(
+            self._kvstage_security.key
+        )
         # READs post one descriptor per run per region, not per (region, block): reads.py
         self._kvstage_reads = install_merged_reads(
             self.nixl_wrapper, self.kv_transfer_config.kv_connector_extra_config or {}, logger
@@ -186,8 +189,9 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         security = self._kvstage_security
         security.check_address(host, action="handshake with the prefill at")
         try:
-            with secure_handshake.sealed_handshakes(security.key):
+            if self._kvstage_handshake is None:
                 return super()._nixl_handshake(host, port, *args, **kwargs)
+            return self._kvstage_handshake(self, host, port, *args, **kwargs)
         except secure_handshake.HandshakeRefused:
             raise  # says why already (a refusal or a reply that failed the key check)
         except RuntimeError as e:

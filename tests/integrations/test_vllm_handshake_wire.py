@@ -1,0 +1,186 @@
+"""Behaviour guards on vLLM's NIXL handshake wire, driven through vLLM's own code.
+
+kvstage's listener (`secure_handshake.serve_handshake`) answers vLLM's REAL
+``_nixl_handshake`` (its query, its two-frame reply parsing, its hash check and agent
+registration, run on a stand-in worker) plainly, and sealed through `SealedHandshake`; vLLM's
+REAL listener answers kvstage's query. A vLLM that changes the query, the reply frames or
+the payload fails here, not in a serving test. `SealedHandshake` changes no vLLM module and
+refuses, in one line, a ``_nixl_handshake`` whose source is not the recorded one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import msgspec  # noqa: E402
+import zmq  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
+    NixlConnectorScheduler,
+    NixlConnectorWorker,
+    NixlHandshakePayload,
+    base_worker,
+    utils,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa: E402
+    NixlAgentMetadata,
+)
+
+from kvstage.integrations.vllm import secure_handshake  # noqa: E402
+from kvstage.integrations.vllm.secure_handshake import (  # noqa: E402
+    HandshakeRefused,
+    SealedHandshake,
+    serve_handshake,
+)
+from kvstage.testing.vllm_engines import free_ports  # noqa: E402
+
+KEY = b"k" * 32
+COMPAT = "kvstage1:" + "ef" * 32
+AGENT = NixlAgentMetadata(
+    engine_id="engine-p", agent_metadata=b"nixl-agent", kv_caches_base_addr=[4096],
+    device_id=0, num_blocks=8, block_lens=[256], block_strides=[256], kv_cache_layout="NHD",
+    block_size=16, ssm_sizes=(0, 0), attn_backend_name="TORCH_SDPA",
+    physical_blocks_per_logical_kv_block=1,
+)
+PAYLOAD = NixlHandshakePayload(compatibility_hash=COMPAT,
+                               agent_metadata_bytes=msgspec.msgpack.encode(AGENT))
+
+
+class _Topo:
+    def handshake_target_ranks(self, remote_tp_size: int, remote_dcp_size: int) -> list[int]:
+        return [0]
+
+
+class StandInWorker:
+    """The attributes vLLM's ``_nixl_handshake`` reads; records the agents it adds."""
+
+    _is_csa_linear = False
+    use_host_buffer = True
+    enforce_compat_hash = True
+
+    def __init__(self, compat_hash: str = COMPAT) -> None:
+        self.compat_hash = compat_hash
+        self.transfer_topo = _Topo()
+        self.added: list[tuple[str, bytes, int]] = []
+
+    def _validate_remote_parallel_config(self, metadata: Any) -> None:
+        del metadata
+
+    def add_remote_agent(self, metadata: Any, remote_rank: int, remote_tp_size: int,
+                         remote_dcp_size: int = 1) -> str:
+        self.added.append((metadata.engine_id, bytes(metadata.agent_metadata), remote_rank))
+        return "agent-p0"
+
+
+def _serve(key: bytes | None) -> Iterator[int]:
+    port = free_ports(1)[0]
+    ready, stop = threading.Event(), threading.Event()
+    thread = threading.Thread(target=serve_handshake, daemon=True,
+                              args=({(0, 0): msgspec.msgpack.encode(PAYLOAD)}, ready, stop,
+                                    "127.0.0.1", port), kwargs={"key": key})
+    thread.start()
+    assert ready.wait(10)
+    yield port
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def keyed() -> Iterator[int]:
+    yield from _serve(KEY)
+
+
+@pytest.fixture
+def unkeyed() -> Iterator[int]:
+    yield from _serve(None)
+
+
+def test_vllms_own_handshake_reads_kvstages_plain_listener(unkeyed: int) -> None:
+    worker = StandInWorker()
+    agents, offset = NixlConnectorWorker._nixl_handshake(worker, "127.0.0.1", unkeyed, 1,
+                                                         "engine-p")
+    assert agents == {(0, 0): "agent-p0"}
+    assert worker.added == [("engine-p", b"nixl-agent", 0)]
+    assert isinstance(offset, float)
+
+
+def test_vllms_handshake_code_sealed_reads_the_keyed_listener(keyed: int) -> None:
+    worker = StandInWorker()
+    agents, offset = SealedHandshake(KEY)(worker, "127.0.0.1", keyed, 1, "engine-p")
+    assert agents == {(0, 0): "agent-p0"}
+    assert worker.added == [("engine-p", b"nixl-agent", 0)]
+    assert isinstance(offset, float)
+
+
+def test_sealed_with_another_key_is_refused_saying_the_keys_differ(keyed: int) -> None:
+    worker = StandInWorker()
+    with pytest.raises(HandshakeRefused, match="refused the handshake: 'side-channel "
+                       "message has a wrong MAC: the keys differ'"):
+        SealedHandshake(b"w" * 32)(worker, "127.0.0.1", keyed, 1, "engine-p")
+    assert worker.added == []
+
+
+def test_vllms_own_handshake_gets_the_refusal_as_a_hash_mismatch(keyed: int) -> None:
+    """A decode without the key: vLLM's own code reports the reason as the remote hash."""
+    worker = StandInWorker()
+    with pytest.raises(RuntimeError, match="Remote: kvstage-refused: this prefill requires "
+                       "the shared key"):
+        NixlConnectorWorker._nixl_handshake(worker, "127.0.0.1", keyed, 1, "engine-p")
+    assert worker.added == []
+
+
+def test_vllms_listener_answers_kvstages_query_in_two_frames() -> None:
+    port = free_ports(1)[0]
+    ready, stop = threading.Event(), threading.Event()
+    encoded = {(0, 0): msgspec.msgpack.encode(PAYLOAD)}
+    thread = threading.Thread(target=NixlConnectorScheduler._nixl_handshake_listener,
+                              args=(encoded, ready, stop, "127.0.0.1", port), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(secure_handshake._query(0, 0))
+        frames = sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+        stop.set()
+        thread.join(5)
+    assert len(frames) == 2
+    assert msgspec.msgpack.decode(frames[0], type=NixlHandshakePayload) == PAYLOAD
+    assert isinstance(msgspec.msgpack.decode(frames[1]), float)
+
+
+def test_sealing_changes_no_vllm_module() -> None:
+    vllm_ctx = utils.zmq_ctx
+    SealedHandshake(KEY)
+    assert base_worker.zmq_ctx is vllm_ctx
+    assert NixlConnectorWorker._nixl_handshake.__globals__["zmq_ctx"] is vllm_ctx
+
+
+def test_a_changed_vllm_handshake_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(secure_handshake, "HANDSHAKE_SHA256", "0" * 64)
+    with pytest.raises(RuntimeError, match=r"^kvstage cannot seal vLLM \S+'s NIXL handshake: "
+                       r"NixlBaseConnectorWorker\._nixl_handshake .* is not the code kvstage "
+                       r"recorded \(source sha256 cb2c6a99930e8e96, recorded 0000000000000000"):
+        SealedHandshake.for_key(KEY)
+    assert SealedHandshake.for_key(None) is None
+
+
+def test_the_digest_covers_the_source_lines() -> None:
+    source = "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
+    changed = source.replace("return 1", "return 2")
+    assert secure_handshake.source_sha256(source, "A.f") != \
+        secure_handshake.source_sha256(changed, "A.f")
+    assert secure_handshake.source_sha256(source, "A.g") == \
+        secure_handshake.source_sha256(changed, "A.g")
+    with pytest.raises(LookupError, match="no A.h in that source"):
+        secure_handshake.source_sha256(source, "A.h")
