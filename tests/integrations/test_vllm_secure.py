@@ -26,7 +26,7 @@ from kvstage.integrations.vllm.secure_handshake import (  # noqa: E402
     fetch_payload,
     serve_handshake,
 )
-from kvstage.pd.auth import Authenticator  # noqa: E402
+from kvstage.pd.auth import Authenticator, derived_capability  # noqa: E402
 from kvstage.pd.side_channel import send_raw  # noqa: E402
 from kvstage.testing.vllm_engines import free_ports  # noqa: E402
 
@@ -100,11 +100,11 @@ def test_bad_settings_are_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> Non
 
 # -- capabilities and notifications ---------------------------------------------------------
 def test_capability_is_per_key_engine_and_request() -> None:
-    cap = secure.capability(KEY, ENGINE, "r1")
+    cap = derived_capability(KEY, ENGINE, "r1")
     assert len(cap) == 16
-    assert cap == secure.capability(KEY, ENGINE, "r1")
-    others = {secure.capability(b"x" * 32, ENGINE, "r1"), secure.capability(KEY, "b", "r1"),
-              secure.capability(KEY, ENGINE, "r2")}
+    assert cap == derived_capability(KEY, ENGINE, "r1")
+    others = {derived_capability(b"x" * 32, ENGINE, "r1"), derived_capability(KEY, "b", "r1"),
+              derived_capability(KEY, ENGINE, "r2")}
     assert cap not in others and len(others) == 3
     assert secure.with_capability(KEY, ENGINE, "r1") == "r1#" + cap.hex()
 

@@ -173,6 +173,18 @@ def test_completion_notif_round_trips_any_request_id() -> None:
 
 
 # -- peer authentication --------------------------------------------------------------------
+def test_derived_capability_is_stateless_and_its_wire_value_fixed() -> None:
+    """The derived mode (vLLM connector): the same token from the key, scope and request id
+    in any process; a pinned value, so both sides of a mixed-version pair agree."""
+    key = b"k" * 32
+    cap = auth.derived_capability(key, "engine-a", "r1")
+    assert cap.hex() == "f63458ac938381233e6a2463c74de0ac"
+    assert auth.derived_capability(key, "engine-a", "r1") == cap
+    assert auth.parse_notif(auth.completion_notif("r1", cap)) == ("r1", cap)
+    assert auth.same_capability(cap, auth.derived_capability(key, "engine-a", "r1"))
+    assert not auth.same_capability(cap, auth.derived_capability(key, "engine-a", "r2"))
+
+
 def test_keyed_prefill_refuses_every_message_without_the_key() -> None:
     with serving(KEY) as server:
         addr = server.address

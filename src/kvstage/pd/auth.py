@@ -15,9 +15,13 @@ Contract:
   a flag value (`load_key`); it is at least `MIN_KEY_BYTES` bytes.
 - A prefill binding a non-loopback address without a key is refused unless the caller
   says ``insecure`` (`check_bind`).
-- Capabilities: prefill issues `new_capability()` per held request; decode's completion
-  notification is `completion_notif(request_id, capability)` and prefill parses it with
-  `parse_notif`; tokens are compared with `same_capability` (constant time).
+- Capabilities, two modes of one token (`TOKEN_BYTES`): ISSUED, `new_capability()`, random
+  and stored with the held request (the CLI's prefill role, which holds its requests);
+  DERIVED, `derived_capability(key, scope, request_id)`, an HMAC-SHA256 of the request id
+  under the shared key, so whoever hands it out and whoever checks it need no shared state
+  (vLLM's scheduler hands it out, its worker process checks it: `KVStageConnector`). The
+  decode's notification is `completion_notif(request_id, capability)` either way, parsed
+  with `parse_notif`; tokens are compared with `same_capability` (constant time).
 
 Thread rules: an `Authenticator` is used by one thread (its replay cache is not locked).
 """
@@ -47,6 +51,7 @@ MAX_NONCES = 65536  # ~1000 requests/s sustained over the 60 s replay window
 NONCE_BYTES = 16
 TOKEN_BYTES = 16
 _DOMAIN = b"kvstage-side-channel\x00"
+_CAPABILITY_DOMAIN = b"kvstage-vllm-capability\x00"  # the derived mode's (wire: unchanged)
 _NOTIF_SEP = b"#"
 _NOTIF_TAIL = 1 + 2 * TOKEN_BYTES  # "#" + hex token
 
@@ -279,6 +284,13 @@ def check_bind(host: str, key: bytes | None, *, insecure: bool,
 # -- capabilities ---------------------------------------------------------------------------
 def new_capability() -> bytes:
     return secrets.token_bytes(TOKEN_BYTES)
+
+
+def derived_capability(key: bytes, scope: str, request_id: str) -> bytes:
+    """The request's capability under ``key`` within ``scope`` (e.g. the prefill's engine
+    id), derived, never stored: ``HMAC-SHA256(key, domain, scope, request id)[:16]``."""
+    body = b"".join((_CAPABILITY_DOMAIN, scope.encode(), b"\x00", request_id.encode()))
+    return hmac.new(key, body, hashlib.sha256).digest()[:TOKEN_BYTES]
 
 
 def same_capability(given: bytes, issued: bytes) -> bool:

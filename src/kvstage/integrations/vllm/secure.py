@@ -9,8 +9,9 @@ Contract
   (``VLLM_NIXL_SIDE_CHANNEL_HOST``) refuses to start unless
   ``"kvstage_allow_unauthenticated": true`` (`kvstage.pd.auth.check_bind`); on loopback
   it works as vLLM does and says once that the channel is unauthenticated.
-- Capability: ``HMAC-SHA256(key, engine id, request id)[:16]``, so the prefill's scheduler
-  (which hands it out) and its worker (which checks it) need no shared state. It travels
+- Capability: `kvstage.pd.auth.derived_capability` (the derived mode of kvstage's one
+  capability: an HMAC of the engine id and request id under the key), so the prefill's
+  scheduler (which hands it out) and its worker (which checks it) need no shared state. It travels
   inside the ``remote_request_id`` the prefill returns in ``kv_transfer_params``
   (``<id>#<32 hex>``, `kvstage.pd.auth.completion_notif`), so vLLM's decode puts it, unchanged,
   in every notification it sends for that request: ``<id>#<hex>:<consumers>`` when it is
@@ -30,8 +31,6 @@ Threads: `NotificationGuard` is used by the worker's thread that calls ``get_new
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -54,7 +53,6 @@ HOW_TO_KEY = (
 )
 MAX_NOTIF_BYTES = 1 << 16  # a heartbeat lists request ids: 64 KiB is ~1000 of them
 MAX_CONSUMERS = 1 << 12  # vLLM's expected-consumer count: a TP ratio
-_CAPABILITY_DOMAIN = b"kvstage-vllm-capability\x00"
 _HEARTBEAT = "HB:"
 _warned_unauthenticated = False
 
@@ -106,15 +104,10 @@ class Security:
                 "free requests' blocks. Give a shared key %s", host, HOW_TO_KEY)
 
 
-def capability(key: bytes, engine_id: str, request_id: str) -> bytes:
-    """The request's capability (`auth.TOKEN_BYTES` bytes), derived, never stored."""
-    body = b"".join((_CAPABILITY_DOMAIN, engine_id.encode(), b"\x00", request_id.encode()))
-    return hmac.new(key, body, hashlib.sha256).digest()[:auth.TOKEN_BYTES]
-
-
 def with_capability(key: bytes, engine_id: str, request_id: str) -> str:
     """``<request id>#<hex capability>``: the ``remote_request_id`` handed to the decode."""
-    return auth.completion_notif(request_id, capability(key, engine_id, request_id)).decode()
+    token = auth.derived_capability(key, engine_id, request_id)
+    return auth.completion_notif(request_id, token).decode()
 
 
 class NotificationGuard:
@@ -185,7 +178,7 @@ class NotificationGuard:
         if self.key is None:
             return text
         rid, token = auth.parse_notif(text.encode())
-        if auth.same_capability(token, capability(self.key, self.engine_id, rid)):
+        if auth.same_capability(token, auth.derived_capability(self.key, self.engine_id, rid)):
             return rid
         return None
 
