@@ -117,6 +117,42 @@ def _in_ns(ns: str, code: str, *args: str, timeout: float = 300) -> str:
     return out.stdout
 
 
+def _key_file(path: Path) -> Path:
+    path.write_bytes(os.urandom(32).hex().encode())
+    path.chmod(0o600)
+    return path
+
+
+def _start_hosts(procs: list[subprocess.Popen[bytes]], tmp_path: Path, model: str,
+                 key: Path, *extra: str) -> None:
+    """Prefill host, decode host, router (on the decode host), as README's per-host
+    commands; each appended to ``procs`` as it starts (the caller stops them)."""
+    common = ["--model", model, "--engine-defaults", "tiny-cpu", "--key-file", str(key),
+              "--device", "cpu", *extra]
+    logs = {n: tmp_path / f"{n}.out" for n in ("prefill", "decode", "router")}
+    procs.append(_serve(P_NS, logs["prefill"], *common, "--role", "prefill",
+                        "--host", P_IP, "--port", "8100", "--log-dir", str(tmp_path / "p")))
+    procs.append(_serve(D_NS, logs["decode"], *common, "--role", "decode",
+                        "--host", D_IP, "--port", "8200", "--log-dir", str(tmp_path / "d")))
+    _wait_ready(procs[0], logs["prefill"])
+    _wait_ready(procs[1], logs["decode"])
+    procs.append(_serve(D_NS, logs["router"], "--model", model, "--role", "router",
+                        "--host", D_IP, "--port", "8000",
+                        "--prefill-url", f"http://{P_IP}:8100",
+                        "--decode-url", f"http://{D_IP}:8200",
+                        "--router-arg=--health-check-interval-secs=5",
+                        "--log-dir", str(tmp_path / "r")))
+    _wait_ready(procs[2], logs["router"])
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(60)
+
+
 CLIENT = """
 import json, sys
 from kvstage.serving import complete
@@ -147,30 +183,11 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
                          engine_args=TINY_CPU_ENGINE_ARGS) as single:
         reference = [r.token_ids for r in complete(single.url, PROMPTS, MAX_TOKENS,
                                                    concurrency=len(PROMPTS))]
-    key = tmp_path / "kvstage.key"
-    key.write_bytes(os.urandom(32).hex().encode())
-    key.chmod(0o600)
-    common = ["--model", model, "--engine-defaults", "tiny-cpu", "--key-file", str(key),
-              "--device", "cpu"]
+    key = _key_file(tmp_path / "kvstage.key")
     procs: list[subprocess.Popen[bytes]] = []
     with _namespaces():
         try:
-            logs = {n: tmp_path / f"{n}.out" for n in ("prefill", "decode", "router")}
-            procs.append(_serve(P_NS, logs["prefill"], *common, "--role", "prefill",
-                                "--host", P_IP, "--port", "8100", "--log-dir",
-                                str(tmp_path / "p")))
-            procs.append(_serve(D_NS, logs["decode"], *common, "--role", "decode",
-                                "--host", D_IP, "--port", "8200", "--log-dir",
-                                str(tmp_path / "d")))
-            _wait_ready(procs[0], logs["prefill"])
-            _wait_ready(procs[1], logs["decode"])
-            procs.append(_serve(D_NS, logs["router"], "--model", model, "--role", "router",
-                                "--host", D_IP, "--port", "8000",
-                                "--prefill-url", f"http://{P_IP}:8100",
-                                "--decode-url", f"http://{D_IP}:8200",
-                                "--router-arg=--health-check-interval-secs=5",
-                                "--log-dir", str(tmp_path / "r")))
-            _wait_ready(procs[2], logs["router"])
+            _start_hosts(procs, tmp_path, model, key)
             tx0 = int(_in_ns(P_NS, f"print(open('/sys/class/net/{P_DEV}/statistics/"
                                    "tx_bytes').read())"))
             prompts = tmp_path / "prompts.json"
@@ -184,10 +201,8 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
             for proc in procs[1:]:
                 proc.terminate()
                 proc.wait(60)
-            other = tmp_path / "other.key"
-            other.write_bytes(os.urandom(32).hex().encode())
-            other.chmod(0o600)
-            logs["wrong"], logs["router2"] = tmp_path / "wrong.out", tmp_path / "router2.out"
+            other = _key_file(tmp_path / "other.key")
+            logs = {"wrong": tmp_path / "wrong.out", "router2": tmp_path / "router2.out"}
             procs.append(_serve(D_NS, logs["wrong"], "--model", model, "--engine-defaults",
                                 "tiny-cpu", "--key-file", str(other), "--device", "cpu",
                                 "--role", "decode", "--host", D_IP, "--port", "8201",
@@ -206,11 +221,7 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
                                           str(MAX_TOKENS)))
             wrong_log = (tmp_path / "d2" / "decode0.log").read_text(errors="replace")
         finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.terminate()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(60)
+            _stop(procs)
     failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
               if not r["ok"]]
     assert not failed, failed
@@ -226,3 +237,68 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
     # no compatibility hash, no NIXL agent metadata: nothing to READ with
     assert stranger == "None" or stranger.startswith(REFUSED_PREFIX), stranger
     assert not stranger.startswith(HASH_PREFIX), stranger
+
+
+def _qdisc_bytes(ns: str, dev: str) -> int:
+    out = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "-j", "qdisc", "show", "dev",
+                          dev], capture_output=True, text=True, timeout=30, check=True)
+    return sum(q.get("bytes", 0) for q in json.loads(out.stdout) if q.get("kind") == "tbf")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("KVSTAGE_LONG") != "1",
+                    reason="long suite: set KVSTAGE_LONG=1 (`make test-long`)")
+def test_two_hosts_slow_link(tmp_path: Path) -> None:
+    """The same two hosts over a slow link: a token bucket (tc tbf) of 8 Mbit/s on both
+    ends of the veth (the KV of 8 prompts takes over a second on the wire; netem, for
+    delay, is not in every kernel: not in this VM's), a 6 s lease (vLLM's decode heartbeats
+    every second) and the checksum on. Two rounds of 8 prompts at once: every request
+    completes with the single engine's tokens, its bytes verified, and no READ is refused
+    for a lease near its end."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    if shutil.which("taskset") is None or shutil.which("tc") is None:
+        pytest.skip("needs taskset (util-linux) and tc (iproute2)")
+    try:
+        router_executable()
+    except ServingError as exc:
+        pytest.skip(str(exc))
+    model = str(build_tiny_gemma3(tmp_path / "tiny-gemma3"))
+    with single_instance(model, log_dir=tmp_path / "single",
+                         engine_args=TINY_CPU_ENGINE_ARGS) as single:
+        reference = [r.token_ids for r in complete(single.url, PROMPTS, MAX_TOKENS,
+                                                   concurrency=len(PROMPTS))]
+    key = _key_file(tmp_path / "kvstage.key")
+    procs: list[subprocess.Popen[bytes]] = []
+    rounds = []
+    with _namespaces():
+        try:
+            for ns, dev in ((P_NS, P_DEV), (D_NS, D_DEV)):
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
+                                "root", "tbf", "rate", "8mbit", "burst", "16kb", "latency",
+                                "2s"], check=True, timeout=30, capture_output=True)
+            _start_hosts(procs, tmp_path, model, key, "--kv-extra", "kv_lease_duration=6",
+                         "--kv-extra", "kvstage_verify_checksum=true")
+            prompts = tmp_path / "prompts.json"
+            prompts.write_text(json.dumps(PROMPTS))
+            sent0 = _qdisc_bytes(P_NS, P_DEV)
+            for _ in range(2):
+                rounds.append(json.loads(_in_ns(D_NS, CLIENT, f"http://{D_IP}:8000",
+                                                str(prompts), str(MAX_TOKENS))))
+            sent = _qdisc_bytes(P_NS, P_DEV) - sent0
+        finally:
+            _stop(procs)
+    decode_log = (tmp_path / "d" / "decode0.log").read_text(errors="replace")
+    for got in rounds:
+        failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
+                  if not r["ok"]]
+        assert not failed, failed
+        wrong = [n for n, r, e in zip(PROMPT_LENS, got, reference, strict=True)
+                 if r["ids"] != e]
+        assert wrong == [], f"prompts of {wrong} tokens differ from the single engine"
+    kv_bytes = 2 * sum((n - 1) // 32 for n in PROMPT_LENS) * 16384  # as in the test above
+    print(f"prefill tbf sent {sent} bytes for {kv_bytes} bytes of KV")
+    assert sent >= kv_bytes  # the KV went through the shaped link
+    assert "kvstage lease check: not reading" not in decode_log
+    assert "kvstage checksum mismatch" not in decode_log
