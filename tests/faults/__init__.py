@@ -1,0 +1,1 @@
+"""Fault fakes loaded into engines from outside the product (never imported by kvstage)."""
