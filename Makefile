@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests scripts
+	$(VENV)/bin/ruff check src tests scripts bench
 
 typecheck: setup
 	$(VENV)/bin/mypy

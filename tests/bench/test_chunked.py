@@ -1,10 +1,10 @@
-"""`kvstage.bench.chunked`: the chunk ranges the incremental-save bench saves."""
+"""`bench.chunked`: the chunk ranges the incremental-save bench saves."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvstage.bench.chunked import chunk_ranges
+from bench.chunked import chunk_ranges
 
 
 @pytest.mark.parametrize("num_blocks", [4, 5, 16, 64, 710])

@@ -1,4 +1,4 @@
-"""The kvstage package has no import cycle.
+"""The kvstage package has no import cycle, and the product loads no tooling.
 
 The graph is built with ``ast`` from src/kvstage: an edge A -> B for every import of a
 kvstage module B at module level in A, including imports under ``if TYPE_CHECKING:``
@@ -6,14 +6,24 @@ kvstage module B at module level in A, including imports under ``if TYPE_CHECKIN
 Imports inside functions are lazy by design (optional dependencies, children spawned
 only when run) and are not counted. ``from kvstage.x import y`` counts as an edge to
 ``kvstage.x.y`` when that is a module, else to ``kvstage.x``.
+
+The product apart from its tooling: ``import kvstage`` and ``kvstage serve-pd --help``, each
+in a fresh interpreter, leave no module of ``kvstage.bench``, ``kvstage.testing`` or the
+repository's ``bench/`` folder in ``sys.modules``; nothing under src/ imports ``bench``.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 import kvstage
+from kvstage import cli
 
 ROOT = Path(kvstage.__file__).resolve().parent
 PACKAGE = "kvstage"
@@ -137,3 +147,94 @@ def test_kvstage_has_no_import_cycle() -> None:
     found = cycles(graph)
     assert found == [], "import cycles in kvstage (break each with a module both use): " + (
         "; ".join(" <-> ".join(c) for c in found))
+
+
+# -- the product apart from its tooling (issue 25 item 4) ------------------------------
+#: what the product must never load: benchmark, soak and test code
+TOOLING = ("kvstage.bench", "kvstage.testing", "bench")
+REPO = ROOT.parents[1]
+
+
+def _loaded_tooling(code: str) -> tuple[list[str], str]:
+    """Run ``code`` in a fresh interpreter (from the repository, so the ``bench`` folder is
+    importable); the tooling modules it left in ``sys.modules``, and what it printed."""
+    probe = (f"{code}\nimport sys\n"
+             f"print(sorted(m for m in sys.modules if m.split('.')[0] == 'bench' "
+             f"or m.startswith({TOOLING[:2]!r})))")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    *printed, last = proc.stdout.splitlines()
+    return ast.literal_eval(last), "\n".join(printed)
+
+
+def test_probe_sees_tooling() -> None:
+    """The probe itself: importing the soak is reported, with what it pulled in."""
+    found, _ = _loaded_tooling("import bench.soak")
+    assert {"bench", "bench.soak", "bench.hostile", "kvstage.bench.report",
+            "kvstage.testing.servers"} <= set(found)
+
+
+def test_import_kvstage_loads_no_tooling() -> None:
+    assert _loaded_tooling("import kvstage") == ([], "")
+
+
+def test_serve_pd_help_loads_no_tooling() -> None:
+    code = ("import contextlib, sys\nfrom kvstage.cli import main\n"
+            "with contextlib.suppress(SystemExit):\n    main(['serve-pd', '--help'])\n"
+            "print('serve_pd loaded:', 'kvstage.cli.serve_pd' in sys.modules)")
+    found, printed = _loaded_tooling(code)
+    assert found == []
+    assert printed.startswith("usage: kvstage serve-pd ")
+    assert printed.endswith("serve_pd loaded: True")  # the command did run
+
+
+def test_top_help_lists_every_command_and_imports_none() -> None:
+    code = ("import contextlib, sys\nfrom kvstage.cli import main\n"
+            "with contextlib.suppress(SystemExit):\n    main(['--help'])\n"
+            "from kvstage.cli import COMMANDS\n"
+            "print('modules:', [m for _, m, _ in COMMANDS if m in sys.modules])")
+    found, printed = _loaded_tooling(code)
+    assert found == []
+    assert printed.endswith("modules: []")
+    for path, _, help_text in cli.COMMANDS:
+        assert f"    {path[0]} " in printed
+        if len(path) == 1:  # the groups' subcommands are listed by `kvstage bench --help`
+            assert help_text in " ".join(printed.split()), path
+
+
+@pytest.mark.parametrize(("path", "module_name"), [(p, m) for p, m, _ in cli.COMMANDS],
+                         ids=[" ".join(p) for p, _, _ in cli.COMMANDS])
+def test_every_command_module_exists(path: tuple[str, ...], module_name: str) -> None:
+    """The lazy table never skips a command: each module imports and has the two calls."""
+    module = importlib.import_module(module_name)
+    assert callable(module.add_arguments) and callable(module.run), path
+
+
+def test_selected_command() -> None:
+    assert cli.selected_command(["bench", "copy", "--quick"]) == ("bench", "copy")
+    assert cli.selected_command(["serve-pd", "--help"]) == ("serve-pd",)
+    assert cli.selected_command(["bench", "--help"]) is None
+    assert cli.selected_command(["--help"]) is None
+    assert cli.selected_command(["bench", "soak"]) is None  # moved out: argparse refuses it
+
+
+def test_package_bench_is_the_copy_bench_only() -> None:
+    """Soaks and the other benchmarks live in the repository's bench/ folder."""
+    names = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert names == {"__init__", "copy", "copy_bench", "copy_cases", "copy_counts", "floor",
+                     "report"}
+
+
+def test_src_never_imports_the_bench_folder() -> None:
+    offenders = []
+    for name, path in module_names().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):  # lazy imports too
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{name}: {t}" for t in targets if t.split(".")[0] == "bench"]
+    assert offenders == []

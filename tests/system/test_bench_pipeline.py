@@ -1,4 +1,4 @@
-"""`kvstage bench transfer --pipeline --quick`: runs against real NIXL children and writes
+"""`python -m bench.transfer --pipeline --quick`: runs against real NIXL children and writes
 one JSON row per size with every phase and ratio, and one incremental-save row per size
 (numbers are not checked: timings)."""
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.nixl
+REPO = Path(__file__).resolve().parents[2]  # `python -m bench.transfer` runs from here
 pytest.importorskip("xxhash")
 
 
@@ -19,10 +20,10 @@ pytest.importorskip("xxhash")
 def test_bench_transfer_pipeline_quick(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvstage.cli", "bench", "transfer", "--pipeline", "--quick",
+        [sys.executable, "-m", "bench.transfer", "--pipeline", "--quick",
          "--preset", "llama-3.1-8b", "--num-blocks", "24", "--sizes-mib", "8",
          "--json", str(out), "--plot", str(tmp_path / "pipeline.png")],
-        capture_output=True, text=True, timeout=280,
+        capture_output=True, text=True, timeout=280, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]

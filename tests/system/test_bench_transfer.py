@@ -1,4 +1,4 @@
-"""`kvstage bench transfer --quick`: JSON structure and exact descriptor counts (no
+"""`python -m bench.transfer --quick`: JSON structure and exact descriptor counts (no
 timing is asserted: it depends on the machine and whatever else runs on it)."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 
+from bench.transfer import main
 from kvstage.blocks import request_blocks
-from kvstage.cli import main
 from kvstage.presets import preset
 
 pytestmark = pytest.mark.nixl
+REPO = Path(__file__).resolve().parents[2]  # `python -m bench.transfer` runs from here
 
 GEMMA = preset("gemma-3-1b", num_blocks=2048)
 BLOCKS = sum(request_blocks(GEMMA, 8192))  # 6 x 33 sliding-window + 512 full = 710
@@ -27,7 +28,7 @@ BLOCKS = sum(request_blocks(GEMMA, 8192))  # 6 x 33 sliding-window + 512 full = 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     path = tmp_path_factory.mktemp("bench") / "transfer.json"
-    assert main(["bench", "transfer", "--quick", "--json", str(path)]) == 0
+    assert main(["--quick", "--json", str(path)]) == 0
     return json.loads(Path(path).read_text())
 
 
@@ -68,10 +69,10 @@ def test_exact_descriptor_counts(quick: dict[str, Any], ids: str) -> None:
 
 
 def _listen(num_blocks: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "kvstage.cli", "bench", "transfer", "--listen", "127.0.0.1:0",
+    cmd = [sys.executable, "-m", "bench.transfer", "--listen", "127.0.0.1:0",
            "--preset", "gemma-3-1b", "--num-blocks", str(num_blocks)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                            env=os.environ | {"PYTHONUNBUFFERED": "1"}, cwd=REPO)
     assert proc.stdout is not None
     for line in proc.stdout:  # the first line says where it listens (or why it failed)
         if line.startswith("kvstage prefill listening on "):
@@ -90,7 +91,7 @@ def test_listen_connect_split_twice_against_one_listener(tmp_path: Path) -> None
     try:
         for run in range(2):
             path = tmp_path / f"run{run}.json"
-            argv = ["bench", "transfer", "--connect", address, "--quick", "--json", str(path)]
+            argv = ["--connect", address, "--quick", "--json", str(path)]
             assert main(argv) == 0
             doc = json.loads(path.read_text())
             assert doc["config"]["connect"] == address
@@ -111,10 +112,10 @@ def test_connect_refused_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert main(["bench", "transfer", "--connect", f"127.0.0.1:{port}", "--quick"]) == 2
+    assert main(["--connect", f"127.0.0.1:{port}", "--quick"]) == 2
     assert "refused" in capsys.readouterr().err
 
 
 def test_listen_and_connect_together_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "transfer", "--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"]) == 2
+    assert main(["--listen", "127.0.0.1:0", "--connect", "127.0.0.1:1"]) == 2
     assert "pass one of them" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Short soaks (`kvstage bench soak`): loopback through the CLI, and real NIXL with the
+"""Short soaks (`python -m bench.soak`): loopback through its `main`, and real NIXL with the
 prefill workers in child processes. The invariants are asserted exactly: every request
 has the outcome its injected fault calls for, completed ones are byte-exact, no block,
 handle or held request is left on either side."""
@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from kvstage.cli import main as cli_main
+from bench.soak import main as soak_main
 
 HAVE_NIXL = any(importlib.util.find_spec(n) is not None for n in ("nixl_cu12", "nixl"))
 
 
 def soak(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any]]:
-    """Run `kvstage bench soak` through the CLI; (exit code, its JSON report)."""
+    """Run the soak through its `main`; (exit code, its JSON report)."""
     out = tmp_path / "soak.json"
-    code = cli_main(["bench", "soak", *argv, "--json", str(out)])
+    code = soak_main([*argv, "--json", str(out)])
     return code, json.loads(out.read_text())
 
 
@@ -48,10 +48,10 @@ def assert_invariants(rep: dict[str, Any], requests: int) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_soak_loopback_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_soak_loopback_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "soak.json"
-    code = cli_main(["bench", "soak", "--transport", "loopback", "--requests", "150",
-                     "--fault-rate", "0.2", "--seed", "3", "--json", str(out)])
+    code = soak_main(["--transport", "loopback", "--requests", "150",
+                      "--fault-rate", "0.2", "--seed", "3", "--json", str(out)])
     printed = capsys.readouterr().out
     assert code == 0, printed
     assert "all invariants hold" in printed

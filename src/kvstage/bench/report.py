@@ -1,4 +1,5 @@
-"""Benchmark output helpers shared by every ``kvstage bench`` subcommand.
+"""Benchmark output helpers shared by ``kvstage bench copy`` and the programs of the
+repository's bench/ folder (which import this module; the package never imports them).
 
 Nothing here knows about copies or transfers: rows are plain dicts, a table is a list
 of `Column`, JSON is ``{"config", "env", **sections}``. matplotlib is imported only

@@ -2,7 +2,7 @@
 probe with a verdict a person can act on, and signals turned into a clean exit.
 
 Used by ``kvstage prefill``, ``kvstage decode`` (``kvstage.cli.roles``) and
-``kvstage bench transfer``; imports no NIXL.
+``python -m bench.transfer`` (the repository's bench/ folder); imports no NIXL.
 """
 
 from __future__ import annotations

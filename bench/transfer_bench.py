@@ -1,8 +1,8 @@
-"""The two ends of one `kvstage bench transfer` run (`Bench`): the prefill (a child on
+"""The two ends of one `python -m bench.transfer` run (`Bench`): the prefill (a child on
 127.0.0.1, or a ``--listen`` peer reached with ``--connect``), this process's registered
 block-major host buffer and NIXL agent, and the descriptor lists of each READ method.
-What the READ timings (`kvstage.bench.transfer`) and the posting costs
-(`kvstage.bench.posting`) share. One thread; `Bench.close` gives back what it holds.
+What the READ timings (`bench.transfer`) and the posting costs
+(`bench.posting`) share. One thread; `Bench.close` gives back what it holds.
 """
 
 from __future__ import annotations

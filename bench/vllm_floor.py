@@ -2,7 +2,7 @@
 
 gemma-3-1b's shapes laid out as vLLM 0.32.0 allocates them (26 layer names, 7 KV cache
 groups overlaid on 4 tensors of one int8 backing buffer, ``[num_blocks, 1, 16, 512]`` bf16
-views; `bench_vllm.vllm_device_caches`), host buffers mirrored as the connector mirrors
+views; `bench.vllm_connector.vllm_device_caches`), host buffers mirrored as the connector mirrors
 them. The ids are what ``save_kv_to_host`` / ``sync_recved_kv_to_device`` pass: ``n`` ids
 1..n split over the 7 groups and concatenated (one contiguous run, as in ``kvstage bench
 copy --floor``). Steps, per direction:
@@ -21,7 +21,7 @@ Every step runs in random order per round right after an untimed copy of the sam
 (`kvstage.bench.report.time_interleaved`), so each starts from the same cache state;
 medians. ``ratio`` = connector / copies alone (the floor target: <= 1.35).
 
-    .venv-vllm/bin/python scripts/bench_vllm_floor.py --threads 1 [--ids 9 64] [--iters 2000]
+    .venv-vllm/bin/python -m bench.vllm_floor --threads 1 [--ids 9 64] [--iters 2000]
 """
 
 from __future__ import annotations
@@ -31,23 +31,23 @@ import importlib.util
 import statistics
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm import GEMMA3_1B, connector_op, vllm_device_caches  # noqa: E402
-
-from kvstage.bench.report import make_timer, time_interleaved  # noqa: E402
-from kvstage.engine import Direction  # noqa: E402
-from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
+from bench.vllm_connector import GEMMA3_1B, connector_op, vllm_device_caches
+from kvstage.bench.report import make_timer, time_interleaved
+from kvstage.engine import Direction
+from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
 
 
 def request_ids(n: int, num_groups: int) -> list[int]:
     """ids 1..n split over the groups, concatenated group after group."""
     per, extra = divmod(n, num_groups)
-    ids, nxt = [], 1
+    ids: list[int] = []
+    nxt = 1
     for g in range(num_groups):
         k = per + (g < extra)
         ids += range(nxt, nxt + k)
@@ -100,15 +100,14 @@ def measure(n: int, iters: int, warmup: int, copier_cls: Any) -> list[dict[str, 
                     (d.copy_(h) if direction == "h2d" else h.copy_(d))
 
         fns: dict[str, Callable[[], Any]] = {
-            "connector": lambda src=src, dst=dst, d=direction: op(src, dst, ids, ids, d),
-            "copy_runs": lambda how=how: eng.copy_runs([(s, s, k) for s, k in runs], how),
+            "connector": partial(op, src, dst, ids, ids, direction),
+            "copy_runs": partial(eng.copy_runs, [(s, s, k) for s, k in runs], how),
             "views + copy": views_copy,
             "copies alone": copies,
         }
         if copier_cls is not None:
             before = copier_cls(device, host)
-            fns["before"] = lambda src=src, dst=dst, d=direction, b=before: b(
-                src, dst, ids, ids, d)
+            fns["before"] = partial(before, src, dst, ids, ids, direction)
         wall = make_timer(cuda=False)
 
         def warm(fn: Callable[[], Any], prep: Callable[[], None] = copies,

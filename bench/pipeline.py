@@ -1,4 +1,4 @@
-"""`kvstage bench transfer --pipeline`: d2h, READ, h2d and the decode time per request
+"""`python -m bench.transfer --pipeline`: d2h, READ, h2d and the decode time per request
 size, sequential vs pipelined (`kvstage.pd.pipeline`), and the cost of checksums.
 
 Two prefill children on 127.0.0.1 (`PrefillProcess`, real NIXL), one computing per-block
@@ -13,7 +13,7 @@ and iteration, in rotating order, one request each way:
 Reported per size (medians): d2h at prefill without and with hashing, READ, h2d,
 decode time sequential / pipelined / with checksums, the ratios to max(READ, h2d), and
 decode GB/s with and without checksums. Then, at prefill, the incremental-save overlap
-(`kvstage.bench.chunked`). ``--json`` (``results``, ``saves``) and ``--plot`` write them.
+(`bench.chunked`). ``--json`` (``results``, ``saves``) and ``--plot`` write them.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any
 
-from kvstage.bench import chunked
+from bench import chunked
 from kvstage.bench.report import Column, machine_info, plot_lines, print_table, write_json
 from kvstage.blocks import request_blocks
 from kvstage.cli import memory
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                          transport_options={"progress_thread": args.progress_thread},
                          ) as decode:
             clients = {k: decode.client(*a) for k, a in addrs.items()}
-            print(f"kvstage bench transfer --pipeline: {lay.name}, "
+            print(f"python -m bench.transfer --pipeline: {lay.name}, "
                   f"{lay.block_bytes >> 10} KiB blocks, decode on {args.device}, median of "
                   f"{iters} rotating iterations after {warmup} warm-up\n", flush=True)
             for size in sizes:

@@ -1,4 +1,4 @@
-"""READ posting cost for `kvstage bench transfer`: building a READ's handle per request
+"""READ posting cost for `python -m bench.transfer`: building a READ's handle per request
 from descriptor lists (``initialize_xfer``: lists built and checked every time) vs from
 rows of lists prepared once per peer (``prep_xfer_dlist`` + ``make_prepped_xfer``,
 `NixlTransport.prepare` / `read_prepared`), for merged runs and per-block descriptors.
@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.transfer_bench import NOTIF, READ_TIMEOUT_S, Bench
 from kvstage.bench.report import Column, ratio
-from kvstage.bench.transfer_bench import NOTIF, READ_TIMEOUT_S, Bench
 from kvstage.blocks import GroupedBlockIds
 from kvstage.pd.reads import blocks
 from kvstage.testing.pattern import verify_request

@@ -1,11 +1,11 @@
-"""`kvstage bench transfer`: NIXL READ of one request, merged runs vs per-block descriptors.
+"""`python -m bench.transfer`: NIXL READ of one request, merged runs vs per-block descriptors.
 
 Two processes: a `kvstage prefill` worker holds a registered block-major host buffer and
 prefills the request (so the bytes read are the verifiable pattern); this process
 registers its own host buffer and READs the same request three ways, over the same two
 buffers. By default the prefill is a child on 127.0.0.1 (`PrefillProcess`); across
-machines run ``kvstage bench transfer --listen HOST:PORT`` on the prefill host and
-``kvstage bench transfer --connect HOST:PORT`` on the decode host (the same preset and
+machines run ``python -m bench.transfer --listen HOST:PORT`` on the prefill host and
+``python -m bench.transfer --connect HOST:PORT`` on the decode host (the same preset and
 ``--num-blocks`` on both). The methods:
 
 - ``merged``: kvstage's descriptors, one per run of blocks (block-major host layout);
@@ -26,18 +26,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from kvstage.bench import pipeline
-from kvstage.bench.posting import POSTING_COLUMNS, posting
+from bench import pipeline
+from bench.posting import POSTING_COLUMNS, posting
+from bench.transfer_bench import BENCH_LEASE_S, METHODS, Bench
 from kvstage.bench.report import Column, format_bytes, machine_info, print_table, ratio, write_json
-from kvstage.bench.transfer_bench import BENCH_LEASE_S, METHODS, Bench
 from kvstage.blocks import BlockPool, request_blocks
 from kvstage.cache import HostLayout
 from kvstage.cli import args as cli_args
-from kvstage.cli import memory, net
+from kvstage.cli import memory, net, run_program
 from kvstage.cli.args import number, positive
 from kvstage.layout import KVLayout
 from kvstage.pd import messages as m
@@ -231,13 +232,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         bench = Bench(args)
     except (net.PeerUnavailable, argparse.ArgumentTypeError) as exc:  # or a key refused
-        print(f"kvstage bench transfer: {exc}", file=sys.stderr)
+        print(f"python -m bench.transfer: {exc}", file=sys.stderr)
         return net.EXIT_UNUSABLE_PEER
     try:
         lay = bench.layout
         where = (f"from {args.connect}" if args.connect
                  else "between two processes on 127.0.0.1")
-        print(f"kvstage bench transfer: {lay.name} ({lay.num_groups} groups, "
+        print(f"python -m bench.transfer: {lay.name} ({lay.num_groups} groups, "
               f"{lay.num_tensors} tensors x {lay.num_planes} plane, "
               f"{format_bytes(lay.block_bytes)} per block), {args.tokens}-token request, "
               f"NIXL READ {where} ({bench.ucx}); median of {args.iters} "
@@ -265,3 +266,12 @@ def run(args: argparse.Namespace) -> int:
                    posting=bench.posting_rows)
         print(f"wrote {args.json}")
     return 0 if all(r["verified"] is not False for r in rows) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.transfer ARGS`: one-line errors and exit 2 for bad input, as `kvstage`."""
+    return run_program(sys.modules[__name__], "python -m bench.transfer", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -14,7 +14,7 @@ descriptor pairs handed to NIXL; NIXL's own descriptor count after its merging (
 ``xferDuration``; GB/s = bytes / xferDuration. Medians per length; both decodes' first
 tokens must agree every round.
 
-    .venv-vllm/bin/python scripts/bench_vllm_reads.py [--rounds 15] [--lengths 64 300] \
+    .venv-vllm/bin/python -m bench.vllm_reads [--rounds 15] [--lengths 64 300] \
         [--pool-blocks 64] [--logs DIR]
 
 ``--scheme``: the same comparison without engines on gemma-3-1b's shapes (4 regions, 224 to
@@ -29,6 +29,7 @@ import random
 import re
 import statistics
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,11 @@ def scheme(args: argparse.Namespace) -> None:
     posted exactly as vLLM's worker does (one row per (region, block), region-major ids),
     through `MergedReads` with and without merging, interleaved; post = the handle's
     creation, wall = post + transfer + polls until DONE."""
-    import sys
     import time
 
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_vllm import GEMMA3_1B, request_ids
-
+    from bench.vllm_connector import GEMMA3_1B, request_ids
     from kvstage.integrations.vllm.reads import MergedReads
     from kvstage.transport.nixl import _import_nixl, default_ucx_env
 
@@ -134,7 +132,7 @@ def scheme(args: argparse.Namespace) -> None:
             for merge in (True, False):
                 rows = samples[merge]
 
-                def med(i: int, rows: list[tuple[int, ...]] = rows) -> float:
+                def med(i: int, rows: Sequence[tuple[int, ...]] = rows) -> float:
                     return statistics.median(x[i] for x in rows)
 
                 nbytes = regions * len(local) * page

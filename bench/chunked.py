@@ -1,4 +1,4 @@
-"""Incremental prefill saves (`kvstage bench transfer --pipeline`, second table): how
+"""Incremental prefill saves (`python -m bench.transfer --pipeline`, second table): how
 much of a chunked prefill's d2h hides behind the compute of its later chunks.
 
 One `PrefillWorker` in this process (loopback transport: nothing is READ), per request

@@ -8,7 +8,7 @@ seconds (/proc/PID/stat), then READs by one decode (default transport settings),
 three prefills taking turns in rotating order: a large request (GB/s) and a one-block
 request (ms from start to the h2d done). Every READ is byte-checked by the decode role.
 
-    .venv/bin/python scripts/bench_progress_delay.py [--ucx-tls tcp] [--iters 7]
+    .venv/bin/python -m bench.progress_delay [--ucx-tls tcp] [--iters 7]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ log (`kvstage.integrations.vllm.reads`): descriptor pairs vLLM hands NIXL (its s
 regions: conv splits + SSM per state layer; attention per block), NIXL's own count after
 merging (``descCount``), bytes, NIXL's ``xferDuration``. Medians per length.
 
-    .venv-vllm/bin/python scripts/bench_vllm_ssm.py [--models granite qwen3next] \
+    .venv-vllm/bin/python -m bench.vllm_ssm [--models granite qwen3next] \
         [--lengths 50 300 500] [--rounds 5] [--logs DIR]
 """
 

@@ -21,7 +21,7 @@ Three tables, markdown:
    idle (its NIXL agent's progress thread: vLLM's busy-polls a core, kvstage's connector
    gives it a delay).
 
-    .venv-vllm/bin/python scripts/bench_vllm.py [--repeats 21] [--ttft-repeats 25] \
+    .venv-vllm/bin/python -m bench.vllm_connector [--repeats 21] [--ttft-repeats 25] \
         [--no-engines] [--logs DIR]
 """
 

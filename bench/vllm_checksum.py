@@ -6,15 +6,15 @@ Two measurements:
   follows: ``views_digests`` over a request's ids (what the prefill does after its d2h
   and the decode before its h2d, `integrations.vllm.checksums`) vs the connector's d2h
   copy op of the same ids. gemma-3-1b's shapes laid out as vLLM 0.32.0 allocates them
-  (`bench_vllm.vllm_device_caches`), host buffers mirrored as the connector mirrors them;
+  (`bench.vllm_connector.vllm_device_caches`), host buffers mirrored as the connector mirrors them;
   ids 1..n. Steps in random order per round, medians.
 - ``--engines``: real engines, two P/D pairs of the tiny hybrid Gemma3 (KVStageConnector,
   checksum off / on, 4 engines, 2 cores), requests interleaved off, on, off, on...: the
   prefill's and the decode's ``LLM.generate`` wall time for one prompt (measured in the
   engine child), medians over the rounds.
 
-    .venv-vllm/bin/python scripts/bench_vllm_checksum.py --micro --iters 300
-    .venv-vllm/bin/python scripts/bench_vllm_checksum.py --engines --rounds 20
+    .venv-vllm/bin/python -m bench.vllm_checksum --micro --iters 300
+    .venv-vllm/bin/python -m bench.vllm_checksum --engines --rounds 20
 """
 
 from __future__ import annotations
@@ -22,18 +22,15 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm import GEMMA3_1B, connector_op, vllm_device_caches  # noqa: E402
-
-from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
-from kvstage.pd.integrity import views_digests  # noqa: E402
+from bench.vllm_connector import GEMMA3_1B, connector_op, vllm_device_caches
+from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
+from kvstage.pd.integrity import views_digests
 
 
 def micro(iters: int, counts: list[int]) -> None:

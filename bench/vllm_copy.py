@@ -9,7 +9,7 @@ table shows medians. The baseline is vLLM's real op (the CPU platform given the 
 platform's two bodies from vLLM's cuda.py) when vLLM is importable, else the transcribed
 loop from tests/integrations/test_vllm_copy_op.py.
 
-    .venv-vllm/bin/python scripts/bench_vllm_copy.py [--repeats 21]
+    .venv-vllm/bin/python -m bench.vllm_copy [--repeats 21]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import textwrap
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -62,7 +62,7 @@ def real_vllm_op() -> Callable[..., None] | None:
                 body = textwrap.dedent("\n".join(lines[first - 1 : fn.end_lineno]))
                 exec(compile("class C:\n" + textwrap.indent(body, "    "), spec.origin, "exec"), ns)
                 setattr(CpuPlatform, fn.name, ns["C"].__dict__[fn.name])
-    return utils.copy_kv_blocks  # type: ignore[no-any-return]
+    return cast(Callable[..., None], utils.copy_kv_blocks)
 
 
 def caches(
@@ -93,7 +93,8 @@ def gemma_ids(tokens: int, block_size: int = 16, window: int = 512) -> list[int]
     window's blocks (+1), each group contiguous in a fresh pool starting at block 1."""
     full = -(-tokens // block_size)
     sliding = min(full, window // block_size + 1)
-    ids, nxt = [], 1
+    ids: list[int] = []
+    nxt = 1
     for n in [full] + [sliding] * 6:
         ids += range(nxt, nxt + n)
         nxt += n
@@ -140,7 +141,7 @@ def main() -> None:
             ours: list[float] = []
             for _ in range(2):  # warm-up
                 baseline(src, dst, ids, ids, direction)
-                copy_blocks(src, dst, ids, ids, direction)  # type: ignore[arg-type]
+                copy_blocks(src, dst, ids, ids, direction)
             for _ in range(args.repeats):  # interleaved
                 timed(baseline, theirs, src, dst, ids, direction)
                 timed(copy_blocks, ours, src, dst, ids, direction)

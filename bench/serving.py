@@ -1,6 +1,6 @@
 """Serving benchmark: vLLM's own load client against P/D deployments behind vllm-router.
 
-    .venv-vllm/bin/python scripts/bench_serving.py --out benchmarks/serving
+    .venv-vllm/bin/python -m bench.serving --out benchmarks/serving
 
 Deployments (`kvstage.serving`: api_servers + vllm-router on 127.0.0.1, prefills on the first
 half of the cores, decodes on the rest; singles on one core), each started, measured and

@@ -1,4 +1,4 @@
-"""`kvstage bench soak`: many P/D requests with injected faults; every one accounted for.
+"""`python -m bench.soak`: many P/D requests with injected faults; every one accounted for.
 
 One prefill + decode worker pair per model preset (created once, random block size,
 cache layout and host layout per preset from ``--seed``), plus one *faulty* pair whose
@@ -44,18 +44,18 @@ import random
 import secrets
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from kvstage.bench import hostile
-from kvstage.bench.report import machine_info, write_json
-from kvstage.bench.soak_report import (
+from bench import hostile
+from bench.soak_report import (
     FAULT_KINDS,
     FAULTY_KINDS,
     build_report,
     categorize,
     print_report,
 )
-from kvstage.bench.workloads import (
+from bench.workloads import (
     STALLED,
     LayoutChoice,
     Pair,
@@ -64,8 +64,9 @@ from kvstage.bench.workloads import (
     random_choice,
     rss_bytes,
 )
+from kvstage.bench.report import machine_info, write_json
 from kvstage.blocks import request_blocks
-from kvstage.cli import memory
+from kvstage.cli import memory, run_program
 from kvstage.cli.args import add_json_argument, fraction, number, positive
 from kvstage.errors import (
     PeerError,
@@ -375,7 +376,7 @@ def run(args: argparse.Namespace) -> int:
         import importlib.util
 
         if not any(importlib.util.find_spec(n) for n in ("nixl_cu12", "nixl")):
-            print("kvstage bench soak: --transport nixl needs NIXL: pip install "
+            print("python -m bench.soak: --transport nixl needs NIXL: pip install "
                   "'kvstage[nixl]' (or use --transport loopback)", file=sys.stderr)
             return 2
     pairs = len(args.presets) + 1  # one per preset and the faulty pair
@@ -391,3 +392,12 @@ def run(args: argparse.Namespace) -> int:
     return 1 if rep["broken"] else 0
 
 
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m bench.soak ARGS`: one-line errors and exit 2 for bad input, as `kvstage`."""
+    return run_program(sys.modules[__name__], "python -m bench.soak", argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

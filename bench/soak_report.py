@@ -1,4 +1,4 @@
-"""`kvstage bench soak`'s printed report."""
+"""`python -m bench.soak`'s printed report."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ def _reason_key(reason: str) -> str:
 
 
 def print_report(rep: dict[str, Any], args: argparse.Namespace, wall_s: float) -> None:
-    print(f"kvstage bench soak: {rep['requests']} requests in {wall_s:.1f} s, seed {args.seed}, "
+    print(f"python -m bench.soak: {rep['requests']} requests in {wall_s:.1f} s, seed {args.seed}, "
           f"fault rate {args.fault_rate}, transport {args.transport}")
     print("\npairs (prefill -> decode):")
     for p in rep["pairs"]:

