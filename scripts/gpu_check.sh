@@ -8,7 +8,7 @@
 #      regime (60 blocks) whose memcpy row (pinned host <-> device copy_) is the PCIe
 #      limit, op counts (Memcpy HtoD/DtoH as in the PR's table) and peak memory
 #   4. the decode pipeline and the queued prefill saves on CUDA (copy streams + events):
-#      their gpu tests run in step 2; `kvstage bench transfer --pipeline --device cuda`
+#      their gpu tests run in step 2; `python -m bench.transfer --pipeline --device cuda`
 #      (needs nixl-cu12, installed best effort) writes pipeline.json/png: sequential vs
 #      pipelined decode time, and the d2h hidden behind a matmul stand-in at prefill
 #   5. a short table of every timing, printed last
@@ -146,7 +146,7 @@ step op-counts 45 "${BENCH[@]}" --blocks-per-request 6 --groups 1 2 3 6 --op-cou
     --no-timing --json "$OUT_DIR/op_counts.json"
 step memory-gemma 45 "${BENCH[@]}" --preset gemma-3-1b --memory --no-timing --direction h2d \
     --json "$OUT_DIR/memory_gemma.json"
-step pipeline 120 "$PY" -m kvstage.cli bench transfer --pipeline --device cuda \
+step pipeline 120 "$PY" -m bench.transfer --pipeline --device cuda \
     --preset llama-3.1-8b --num-blocks 160 --sizes-mib 8 32 128 --iters 5 --markdown \
     --json "$OUT_DIR/pipeline.json" --plot "$OUT_DIR/pipeline.png"
 step summary 20 bash -c "$(declare -f summary); PY='$PY' OUT_DIR='$OUT_DIR' summary"
