@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _post(url: str, body: dict[str, Any]) -> http.client.HTTPResponse:
     u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=TIMEOUT_S)
+    conn = http.client.HTTPConnection(u.netloc, timeout=TIMEOUT_S)  # "host:port"
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Content-Type": "application/json"})
     resp = conn.getresponse()
