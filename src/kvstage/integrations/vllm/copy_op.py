@@ -55,6 +55,8 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvstage.plan import find_runs
+
 # (device type, device index, address, dtype, shape, stride): equal keys = one view
 _Key = tuple[str, int, int, torch.dtype, tuple[int, ...], tuple[int, ...]]
 _MAX_INTERVALS = 1 << 20  # a view cut into more byte intervals is assumed to overlap
@@ -116,7 +118,7 @@ def copy_blocks(
     if plan.loop:
         _loop(layers, src, dst, block_dim)
     else:
-        runs = _runs(src, dst)
+        runs = find_runs(src, dst).tolist()  # dst is sorted: the plan's run-finding as is
         for i in plan.writers:
             _, s_t, d_t = layers[i]
             for s, d, n in runs:
@@ -339,14 +341,6 @@ def _last_pairs(src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarra
     _, first_from_end = np.unique(dst[::-1], return_index=True)
     keep = dst.size - 1 - first_from_end
     return src[keep], dst[keep]
-
-
-def _runs(src: np.ndarray, dst: np.ndarray) -> list[tuple[int, int, int]]:
-    """(src_start, dst_start, length) where both sides advance by one (dst sorted)."""
-    breaks = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    lengths = np.diff(np.append(starts, dst.size))
-    return list(zip(src[starts].tolist(), dst[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def _loop(
