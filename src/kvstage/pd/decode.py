@@ -59,6 +59,7 @@ from kvstage.errors import (
 from kvstage.pd import auth, integrity
 from kvstage.pd import messages as m
 from kvstage.pd.handshake import handshake
+from kvstage.pd.lease import read_budget
 from kvstage.pd.local_ids import LocalIds
 from kvstage.pd.pipeline import Loader, ReadJob, split_runs
 from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
@@ -217,7 +218,7 @@ class DecodeWorker:
             job_or_none = locals().get("job")
             return self._fail(result, f"{type(exc).__name__}: {exc}", code=code,
                               job=job_or_none if isinstance(job_or_none, ReadJob) else None)
-        budget = min(self.read_timeout_s, lease.remaining_s)
+        budget = read_budget(self.read_timeout_s, lease.remaining_s)  # pd.lease
         self._pending[request_id] = _Pending(
             result, remote, remote_rid, job, started, started + budget, capability,
         )

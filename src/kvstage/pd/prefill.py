@@ -46,7 +46,7 @@ from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine, CopyStats, Direction
 from kvstage.errors import InvalidRequest, KVStageError, NotHeld, Unauthorized, code_of
-from kvstage.pd import auth, integrity
+from kvstage.pd import auth, integrity, lease
 from kvstage.pd import messages as m
 from kvstage.pd.prefill_state import PrefillCounters, SavedRequest
 from kvstage.pd.saves import SaveQueue
@@ -195,7 +195,7 @@ class PrefillWorker:
         now = time.monotonic()
         req.capability = auth.new_capability()
         req.hold_until = now + self.max_hold_s
-        req.deadline = min(now + (lease_s or self.lease_s), req.hold_until)
+        req.deadline = lease.deadline(now, lease_s or self.lease_s, req.hold_until)
         req.held = True  # last: a held request always has its deadline and capability
         self.counters.prefilled += 1
         return m.PrefillDone(
@@ -271,7 +271,7 @@ class PrefillWorker:
     def expire_leases(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         expired = [
-            rid for rid, r in self._requests.items() if r.held and r.deadline <= now
+            rid for rid, r in self._requests.items() if r.held and lease.expired(r.deadline, now)
         ]
         for rid in expired:
             self._free(rid)
@@ -296,7 +296,7 @@ class PrefillWorker:
         if isinstance(msg, m.Acquire):
             req = self._authorized(msg.request_id, msg.capability)
             now = time.monotonic()
-            if req.deadline <= now:  # at max_hold_s (or not swept yet): it ends now
+            if lease.expired(req.deadline, now):  # at max_hold_s (or not swept yet): it ends now
                 self._free(msg.request_id)
                 self.counters.expired += 1
                 raise NotHeld(
@@ -305,7 +305,7 @@ class PrefillWorker:
                 )
             # like vLLM's heartbeats: a decode about to READ extends the lease, within
             # the bound on the total hold
-            req.deadline = min(now + self.lease_s, req.hold_until)
+            req.deadline = lease.deadline(now, self.lease_s, req.hold_until)
             return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now,
                            checksums=self._checksums(req))
         if isinstance(msg, m.Release):

@@ -1,6 +1,9 @@
 """Lease check inside `KVStageConnector`: a decode never READs blocks whose prefill lease
 may have ended.
 
+The decision is `kvstage.pd.lease`'s (the CLI's decode bounds its READ by the same time
+left); this module carries its inputs through vLLM.
+
 Why: vLLM 0.32.0's prefill frees a request's held blocks when ``kv_lease_duration`` ends
 (``kv_connector_extra_config``, default 30 s); the decode heartbeats the prefill (extending
 the hold) only for requests already in its scheduler. A decode that reaches a request later
@@ -46,6 +49,8 @@ from collections.abc import Container, Mapping
 from typing import Any
 
 from vllm.logger import init_logger
+
+from kvstage.pd import lease as pd_lease
 
 logger = init_logger(f"vllm.{__name__}")
 
@@ -96,18 +101,14 @@ def collect(reqs_need_recv: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def refusal(value: Any, clock_offset: float, now: float, margin: float) -> str | None:
-    """Why a READ must not start (a sentence), or None to read."""
+    """Why a READ must not start (a sentence), or None to read: `kvstage.pd.lease`'s
+    decision on the stamped deadline, as vLLM's handshake offset maps it."""
     expires = _number(value)
     if expires is None:
         return (f"its kv_transfer_params carry {EXPIRES_KEY}={value!r}, not a number of "
                 "seconds; the prefill's blocks may be anyone's")
-    left = expires - clock_offset - now
-    if left > margin:
-        return None
-    when = f"ended {-left:.2f} s ago" if left <= 0 else f"ends in {left:.2f} s"
-    return (f"the prefill's lease on its blocks {when}, within the {margin:g} s margin "
-            f"({MARGIN_KEY}): the blocks may hold another request's KV by the time they "
-            "are read")
+    return pd_lease.read_refusal(pd_lease.time_left(expires, clock_offset, now), margin,
+                                 margin_name=MARGIN_KEY)
 
 
 class WorkerLeases:
