@@ -7,7 +7,6 @@ spec objects stood in by classes of the same names and attributes.
 - `copies.EngineCopyOp` copies whole logical pages (state padding included) of every
   physical tensor for the ids given, and nothing else; with attention split into kernel
   blocks (r = 2) the same logical rows.
-- `state.logical_ids` folds kernel ids back to logical ones; state ids stay.
 - `copies.unsupported` / `kvstage_groups` refuse other specs in one line naming the model.
 """
 
@@ -21,7 +20,6 @@ import torch
 
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups, unsupported
 from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
-from kvstage.integrations.vllm.state import logical_ids
 from kvstage.layout import FullAttentionSpec as KSFull
 from kvstage.layout import MambaSpec as KSMamba
 
@@ -96,10 +94,9 @@ def test_whole_logical_pages_of_every_group(ratio: int, direction: str) -> None:
                                 generator=torch.Generator().manual_seed(9))
         torch.empty(0, dtype=torch.uint8).set_(host["mamba.0"].untyped_storage()).copy_(raw_src)
     before_src, before_dst = raw(src["mamba.0"]), raw(dst["mamba.0"])
-    # a request: state slot 5 (mamba group), attention blocks 2, 3 (logical ids)
-    ids = logical_ids([[5], [k for b in (2, 3) for k in range(b * ratio, (b + 1) * ratio)]],
-                      ratio, (True, False))
-    assert sorted(ids) == [2, 3, 5]
+    # a request: state slot 5 (mamba group), attention blocks 2, 3: the scheduler's
+    # logical ids, flattened as the worker passes them (whatever the kernel split r)
+    ids = [b for g in ([5], [2, 3]) for b in g]
     op(src, dst, ids, ids, direction)
     after_dst = raw(dst["mamba.0"])
     assert torch.equal(raw(src["mamba.0"]), before_src)
@@ -107,12 +104,6 @@ def test_whole_logical_pages_of_every_group(ratio: int, direction: str) -> None:
         page = slice(b * PAGE, (b + 1) * PAGE)
         want = before_src[page] if b in (2, 3, 5) else before_dst[page]
         assert torch.equal(after_dst[page], want), b  # padding of slot 5 included
-
-
-def test_logical_ids() -> None:
-    # kernel ids 4..7 -> logical 2, 3; the state slot 9 stays; each id once
-    assert logical_ids([[4, 5, 6, 7], [9], [0, 0]], 2, (False, True, False)) == [2, 3, 9, 0]
-    assert logical_ids([[4, 5], [9]], 1, (False, True)) == [4, 5, 9]  # r = 1: as listed
 
 
 def test_other_specs_refused_in_one_line() -> None:

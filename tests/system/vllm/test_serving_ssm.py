@@ -149,4 +149,4 @@ def test_router_completions_equal_single_engine(
     params = prefill_only(prefill.url, model, PROMPTS[-1])
     ids = {b for g in params["remote_block_ids"] for b in g if b}
     assert ids, params
-    assert set(map(int, params["kvstage_checksums"]["xxh3_64"])) == ids, params
+    assert set(map(int, params["kvstage"]["checksums"]["xxh3_64"])) == ids, params

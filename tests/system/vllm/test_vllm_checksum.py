@@ -110,7 +110,7 @@ def test_checksum_honest_exact_and_corruption_fails_the_request(
         params = _prefill(prefill, PROMPTS, [False] * len(PROMPTS))
         for p in params:  # one digest per non-null block handed to the decode
             ids = {b for g in p["remote_block_ids"] for b in g if b}
-            assert set(map(int, p["kvstage_checksums"]["xxh3_64"])) == ids
+            assert set(map(int, p["kvstage"]["checksums"]["xxh3_64"])) == ids
         got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
         assert [c.token_ids for c in got] == [c.token_ids for c in expected]
         assert [c.logprobs for c in got] == [c.logprobs for c in expected]

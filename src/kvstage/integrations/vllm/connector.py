@@ -22,13 +22,7 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   the device tensors and ``HostBuffer.wrap_layers`` of the mirrored host ones, ids trusted:
   vLLM allocated them): one ``copy_`` per run of consecutive block ids for every physical
   tensor at once, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
-- READ descriptors (`reads.MergedReads` over vLLM's NIXL agent; vLLM's read path,
-  notifications and timeouts unchanged): ``kvstage_merge_reads: true`` in
-  ``kv_connector_extra_config`` hands NIXL one descriptor per run of blocks consecutive on
-  both sides per region, not one per (region, block). Off by default: NIXL 1.5.1's
-  ``make_prepped_xfer`` already merges vLLM's per-block pairs (same NIXL descCount, same
-  transfer) at a third of the posting cost (BENCHMARKS.md "Inside vLLM").
-  ``kvstage_log_reads: true`` logs every READ's counts and NIXL figures.
+- ``kvstage_log_reads: true`` logs every READ's NIXL figures (`stats.log_reads`).
 - State hybrids (Mamba1/2, gated delta net, short conv, linear attention: vLLM's
   ``MambaSpec`` groups beside attention, `state`): every layer is addressed as pages of
   vLLM's LOGICAL block ids (state layers arrive as int8 views strided by the padded page,
@@ -74,67 +68,47 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   failed and its handle is released (an aborted request's blocks are freed only then);
   tests/system/vllm/test_vllm_late_bytes.py holds it to that, no quarantine is added.
 - Stats (`stats`): vLLM's NIXL KV connector stats plus each d2h/h2d copy's blocks, bytes,
-  seconds and failures (whatever is assigned to ``copy_blocks`` is metered), so the periodic
-  "KV Transfer metrics" log and ``/metrics`` (``vllm:kvstage_*``) show them.
+  seconds and failures (kvstage's copy op is metered where kvstage installs it), joined
+  when vLLM asks for the step's stats, so the periodic "KV Transfer metrics" log and
+  ``/metrics`` (``vllm:kvstage_*``) show them.
+- Settings: `config.KVStageConfig`, parsed once per connector (README "Connector settings");
+  per-request fields: `request_params` (README "What travels per request").
 
 Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
 ``get_finished``); this module starts no thread (vLLM's listener thread runs
 `secure_handshake.serve_handshake`, vLLM's handshake thread the sealed query).
 
 vLLM versions supported: 0.32.0 and 0.33.0 (sleep mode refused: ``supports_sleep_mode``
-False, ``unregister_kv_caches``/``restore_kv_caches`` raise). The subclass surface, all of
-it, is recorded per version in tests/integrations/test_vllm_surface.py (`surface.SURFACE`;
-scripts/vllm_surface.py reads it from a wheel; everything else is vLLM's own code):
-- `KVStageConnector(NixlConnector)`: ``__init__`` (calls ``NixlBaseConnector.__init__`` and
-  builds the two classes below instead of NixlConnector's), the classmethods
-  ``build_kv_connector_stats``, ``build_prom_metrics`` and ``supports_sleep_mode``,
-  ``unregister_kv_caches`` and ``restore_kv_caches`` (0.33.0), ``build_connector_worker_meta``.
-- `KVStageConnectorWorker(NixlConnectorWorker)`: ``__init__``, ``initialize_host_xfer_buffer``,
-  ``set_host_xfer_buffer_ops``, ``register_kv_caches``, ``_nixl_handshake``,
-  ``save_kv_to_host`` and ``sync_recved_kv_to_device`` (logical ids; call
-  ``_logical_to_kernel_block_ids``, read ``_physical_blocks_per_logical_kv_block``,
-  ``device_kv_caches``), ``start_load_kv``, ``_pop_done_transfers`` (checksums),
-  ``_read_blocks_for_req`` (lease: calls ``_handle_failed_transfer``, reads
-  ``_engine_clock_offset``, ``_invalid_remote_engines``, ``_recv_failures``); attributes
-  used: ``use_host_buffer``, ``host_xfer_buffers``, ``copy_blocks``, ``compat_hash``,
-  ``enforce_compat_hash``, ``xfer_handshake_metadata``, ``kv_transfer_config``,
-  ``xfer_stats`` (replaced by a `stats.KVStageStats`; ``copy_blocks`` becomes a property),
-  ``nixl_wrapper`` (its ``get_new_notifs`` wrapped on the instance, `secure`; its
-  ``get_xfer_descs``, ``prep_xfer_dlist``, ``release_dlist_handle``, ``make_prepped_xfer``,
-  ``get_xfer_telemetry`` wrapped on the instance, `reads`: vLLM's read path must keep
-  posting ``make_prepped_xfer("READ", local_handle, local_ids, remote_handle, remote_ids,
-  notif_msg=...)`` over lists it prepared from ``[N, 3]`` arrays), ``engine_id``.
-  vLLM's ``_nixl_handshake`` runs unchanged inside a thread-local switch that seals the REQ
-  socket it opens with the module global ``nixl.base_worker.zmq_ctx`` (wrapped once per
-  process; it calls ``setsockopt``, ``send``, ``recv_multipart`` on it).
-- `stats`: ``NixlKVConnectorStats`` (``reset``, ``is_empty``, ``aggregate``, ``reduce``,
-  ``data``), ``NixlPromMetrics`` (``__init__``, ``observe``), ``create_metric_per_engine``.
-- `KVStageConnectorScheduler(NixlConnectorScheduler)`: ``__init__``, ``_build_save_meta``,
-  ``_nixl_handshake_listener`` (a staticmethod in vLLM, replaced by a method; vLLM's thread
-  calls it with its arguments), ``request_finished`` (its ``remote_request_id`` gains the
-  capability; the lease's end from ``_kv_lease_duration``), ``build_connector_meta``,
-  ``update_connector_output`` (checksums); attributes used: ``use_host_buffer``,
-  ``_reqs_need_save``, ``_reqs_need_recv``, ``get_exchange_clipped_blocks``,
-  ``side_channel_host``, ``engine_id``.
-- Other vLLM names used: ``NixlHandshakePayload``, ``GET_META_MSG``, the handshake wire
-  (query ``(GET_META_MSG, pp_rank, tp_rank)``, reply ``[payload, perf_counter]``), the
-  notification texts ``<id>:<consumers>`` and ``HB:<id>,...`` (``_get_new_notifs``),
-  ``envs.VLLM_NIXL_SIDE_CHANNEL_HOST``, ``make_zmq_path``, ``get_from_extra_config``.
+False, ``unregister_kv_caches``/``restore_kv_caches`` raise). Every vLLM name the connector
+package uses is listed in `surface.SURFACE` and recorded per version in
+tests/integrations/test_vllm_surface.py (scripts/vllm_surface.py reads it from a wheel);
+README "The vLLM surface" lists each private name and runtime replacement with why, and
+tests/integrations/test_vllm_behaviour.py holds vLLM to the behaviour relied on.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
 from vllm.logger import init_logger
 
 from kvstage.integrations.vllm import checksums
+from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.scheduler import KVStageConnectorScheduler
 from kvstage.integrations.vllm.settings import HASH_PREFIX, KVSTAGE_PROTOCOL
-from kvstage.integrations.vllm.stats import KVStagePromMetrics, KVStageStats
+from kvstage.integrations.vllm.stats import (
+    KVStagePromMetrics,
+    KVStageStats,
+    log_reads,
+    with_copies,
+)
 from kvstage.integrations.vllm.worker import KVStageConnectorWorker, remote_compat_hash
+from kvstage.pd.integrity import check_available
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -172,13 +146,16 @@ class KVStageConnector(NixlConnector):
         # channel) only for it to be replaced: start from the base class instead.
         NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
         assert self.engine_id is not None
+        self.kvstage_config = KVStageConfig.from_vllm(vllm_config)  # once: refuses bad values
+        if self.kvstage_config.verify_checksum:
+            check_available()  # the install hint now, not at the first request
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVStageConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config
+                vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
             )
         elif role == KVConnectorRole.WORKER:
             self.connector_worker = KVStageConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config
+                vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
             )
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
@@ -186,6 +163,22 @@ class KVStageConnector(NixlConnector):
     def build_connector_worker_meta(self) -> checksums.ChecksumMeta | None:
         worker = self.connector_worker
         return None if worker is None else worker._kvstage_checksums.worker_meta()
+
+    def get_kv_connector_stats(self) -> KVStageStats | None:
+        worker = self.connector_worker
+        if worker is None:
+            return None
+        nixl = worker.get_kv_connector_stats()  # vLLM's figures of the step (and a reset)
+        if self.kvstage_config.log_reads:
+            log_reads(nixl, logger)
+        return with_copies(nixl, worker.kvstage_copies)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self.connector_worker
+        if worker is not None:  # checksum mismatches: finished, and failed (no h2d ran)
+            results.failed_recving |= worker.take_failed(results.finished_recving)
+        return results
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:

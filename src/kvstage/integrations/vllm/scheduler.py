@@ -1,51 +1,94 @@
 """`KVStageConnectorScheduler`: vLLM's NIXL scheduler side with kvstage's save-once-per-prompt,
 capabilities in the returned ``kv_transfer_params``, the sealed handshake listener and the
-checksum hand-over.
+per-request fields (`request_params`) handed to the decode and to the worker.
 
-Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc.
-Threads: vLLM's listener thread runs `secure_handshake.serve_handshake`.
+Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc and
+README "The vLLM surface". Only public connector hooks are overridden here, apart from the
+handshake listener: requests are tracked from ``update_state_after_alloc`` (not vLLM's
+private maps), and the save-once rule rewrites the save entries of the metadata vLLM built
+(``build_connector_meta``). Threads: vLLM's listener thread runs
+`secure_handshake.serve_handshake`.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
+    NixlConnectorMetadata,
+    NixlConnectorScheduler,
+)
+from vllm.logger import init_logger
 
-from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
-from kvstage.integrations.vllm.settings import force_host_buffer
+from kvstage.integrations.vllm import checksums, lease, request_params, secure, secure_handshake
+from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.request_params import RequestParams
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")
+
+
+class KVStageConnectorMetadata(NixlConnectorMetadata):
+    """vLLM's NIXL metadata of one step plus kvstage's per-request fields, one typed field
+    (``requests``) instead of attributes set on vLLM's object. The views the worker pieces
+    read (``kvstage_leases``, ``kvstage_checksums``) derive from it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: dict[str, RequestParams] = {}
+
+    @classmethod
+    def of(cls, meta: NixlConnectorMetadata,
+           requests: dict[str, RequestParams]) -> KVStageConnectorMetadata:
+        """``meta`` (vLLM's, as its scheduler built it) with kvstage's fields."""
+        out = cls()
+        out.__dict__.update(meta.__dict__)
+        out.requests = requests
+        return out
+
+    @property
+    def kvstage_leases(self) -> dict[str, float]:
+        return {r: p.lease_expires for r, p in self.requests.items()
+                if p.lease_expires is not None}
+
+    @property
+    def kvstage_checksums(self) -> dict[str, Any]:
+        return {r: RequestParams(checksums=p.checksums).encode().get("checksums")
+                for r, p in self.requests.items()}
 
 
 class KVStageConnectorScheduler(NixlConnectorScheduler):
     """NIXL scheduler side: host path switchable on CPU, save once per finished prompt."""
 
     def __init__(
-        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
+        config: KVStageConfig | None = None,
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._kvstage = config or KVStageConfig.from_vllm(vllm_config)
         self._kvstage_security = secure.Security.from_config(
             vllm_config, side_channel_host=self.side_channel_host
         )
-        if force_host_buffer(vllm_config):
+        if self._kvstage.force_host_buffer:
             self.use_host_buffer = True
-        # request id -> the block ids scheduled so far, per KV cache group
-        self._kvstage_pending: dict[str, list[list[int]]] = {}
-        self._kvstage_checksums = checksums.SchedulerChecksums(
-            checksums.enabled(vllm_config.kv_transfer_config.kv_connector_extra_config,
-                              vllm_config.parallel_config.world_size)
-        )
+        # prefill: request id -> (the request, its block ids scheduled so far per group)
+        self._kvstage_saving: dict[str, tuple[Request, list[list[int]] | None]] = {}
+        # decode: request id -> its kvstage fields, for the step's metadata
+        self._kvstage_recv: dict[str, RequestParams] = {}
+        self._kvstage_checksums = checksums.SchedulerChecksums(self._kvstage.verify_checksum)
+        # prefill: params handed out this step whose digests come with the step's output
+        self._kvstage_unpacked: list[dict[str, Any]] = []
 
     def _nixl_handshake_listener(
         self,
@@ -60,12 +103,32 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             encoded_data, ready_event, stop_event, host, port, key=self._kvstage_security.key
         )
 
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params or {}
+        rid = request.request_id
+        if self.use_host_buffer and params.get("do_remote_decode"):
+            self._kvstage_saving[rid] = (request, None)  # (re)scheduled: blocks follow
+        elif params.get("do_remote_prefill") and num_external_tokens > 0:
+            self._kvstage_recv[rid] = self._decode_params(rid, params)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    @staticmethod
+    def _decode_params(rid: str, params: dict[str, Any]) -> RequestParams:
+        try:
+            return request_params.decode(params.get(request_params.KEY))
+        except ValueError as e:
+            logger.error("kvstage: request %s: %s; its KV load fails", rid, e)
+            return RequestParams(lease_expires=math.nan)  # the lease check refuses it
+
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         started = time.perf_counter()  # before vLLM stamps its deadline: never later
+        self._kvstage_saving.pop(request.request_id, None)  # saved, or aborted
         delay_free, params = super().request_finished(request, block_ids)
-        lease.stamp(params, delay_free, started, self._kv_lease_duration)
+        lease.stamp(params, delay_free, started, self._kvstage.lease_duration_s)
         key = self._kvstage_security.key
         if key is not None and params is not None and "remote_request_id" in params:
             # the reader's notifications for this request must carry its capability
@@ -73,45 +136,50 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
                 key, self.engine_id, request.request_id
             )
         self._kvstage_checksums.finished(request.request_id, params)
+        request_params.pack(params)
+        if (self._kvstage.verify_checksum and params is not None
+                and params.get("do_remote_prefill")):
+            self._kvstage_unpacked.append(params)  # digests may be filled in this step
         return delay_free, params
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        collected = self._kvstage_checksums.collect(self._reqs_need_recv, self._reqs_need_save)
-        leases = lease.collect(self._reqs_need_recv)
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStageConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
-        meta.kvstage_leases = leases
-        checksums.SchedulerChecksums.attach(meta, collected)
-        return meta
+        assert isinstance(meta, NixlConnectorMetadata)
+        if self.use_host_buffer:
+            self._save_once(meta, scheduler_output)
+        recv, self._kvstage_recv = self._kvstage_recv, {}
+        return KVStageConnectorMetadata.of(meta, recv)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         self._kvstage_checksums.update(connector_output.kv_connector_worker_meta)
+        for params in self._kvstage_unpacked:  # SchedulerChecksums filled them in place
+            request_params.pack(params)
+        self._kvstage_unpacked.clear()
 
-    def _build_save_meta(
-        self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput
-    ) -> None:
-        # Forget requests vLLM dropped from the save set (aborted partial prefills).
-        for req_id in list(self._kvstage_pending):
-            if req_id not in self._reqs_need_save:
-                del self._kvstage_pending[req_id]
+    def _save_once(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
+        """A request's blocks are saved once, after its prompt's last chunk: vLLM saves each
+        step's new blocks (a block a chunk boundary cut would keep its first part's bytes
+        only). vLLM's per-chunk save entries are replaced: none for a partial prefill, the
+        whole prompt's blocks (clipped as vLLM clips a transfer) after the last chunk."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         assert num_scheduled is not None
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
-            req = self._reqs_need_save.get(req_id)
-            if req is None:
+            entry = self._kvstage_saving.get(req_id)
+            if entry is None:
                 continue
-            groups = self._kvstage_pending.get(req_id)
+            req, groups = entry
+            meta.reqs_to_save.pop(req_id, None)
             if new_block_ids is not None:
                 if groups is None or resumed:  # a resumed request lists all its blocks
                     groups = [list(g) for g in new_block_ids]
                 else:
                     for acc, new in zip(groups, new_block_ids, strict=True):
                         acc.extend(new)
-                self._kvstage_pending[req_id] = groups
+                self._kvstage_saving[req_id] = (req, groups)
             if req.num_computed_tokens + num_scheduled[req_id] < req.num_prompt_tokens:
                 continue  # partial prefill: save when the last chunk has run
-            del self._reqs_need_save[req_id]
-            self._kvstage_pending.pop(req_id, None)
+            del self._kvstage_saving[req_id]
             if not groups:
                 continue
             assert req.kv_transfer_params is not None

@@ -9,12 +9,12 @@ Primitives (importing this module never imports vLLM; vLLM objects are read by a
   named) or a Mamba model without vLLM's DS conv-state layout (vLLM's NIXL worker asserts
   it deep in its start; the fix is named here: ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` on both
   instances, which `kvstage serve-pd` sets).
-- `logical_ids(groups, ratio, is_state)`: a request's per-group ids as ONE flat list of
-  vLLM block-pool ids. vLLM's worker lists attention groups in kernel blocks (logical id b
-  -> b*r .. b*r+r-1 when the attention kernel block is r times smaller) and state groups in
-  logical blocks: two index spaces that collide once r > 1 (vLLM flattens them anyway).
-  Folding kernel ids back (b = k // r) gives ids of one space, where each id names one
-  logical page of every physical tensor: what `copies.EngineCopyOp` copies.
+- Ids: the worker copies a request's ids as the SCHEDULER lists them (``local_block_ids``:
+  vLLM block-pool ids, one space for every group), not vLLM's worker-side kernel ids
+  (attention groups expanded b -> b*r .. b*r+r-1 when the attention kernel block is r times
+  smaller, state groups left logical: two index spaces that collide once r > 1). Each
+  logical id names one logical page of every physical tensor: what `copies.EngineCopyOp`
+  copies.
 - `copy_logical(worker, direction, requests)`: the worker's metered ``copy_blocks`` over
   those ids, one call per request, as vLLM's own save/sync do (synchronous: vLLM's host
   path expects the bytes in place on return).
@@ -58,25 +58,6 @@ def refuse_unservable(vllm_config: Any, kv_cache_config: Any) -> None:
                 f"laid out (state_len, dim): vLLM's NIXL transfer needs (dim, state_len); "
                 f"{DS_FIX}"
             )
-
-
-def logical_ids(
-    groups: Sequence[Sequence[int]], ratio: int, is_state: Sequence[bool]
-) -> list[int]:
-    """Per-group ids (attention groups in kernel blocks, state groups logical) -> one flat
-    list of logical block ids, in order, each once (the null block 0 kept as vLLM lists it:
-    the copy skips it)."""
-    if ratio == 1:
-        return [b for g in groups for b in g]
-    out: list[int] = []
-    seen: set[int] = set()
-    for ids, state in zip(groups, is_state, strict=True):
-        for k in ids:
-            b = k if state else k // ratio
-            if b not in seen:
-                seen.add(b)
-                out.append(b)
-    return out
 
 
 def copy_logical(worker: Any, direction: str, requests: Sequence[list[int]]) -> None:

@@ -19,11 +19,13 @@ only kvstage does, the copies between the device KV cache and the host buffers:
   histograms ``vllm:kvstage_{d2h,h2d}_time_seconds`` (``_sum`` is the total copy time,
   ``_count`` the number of copies: one per request on vLLM's host path) and the counter
   ``vllm:kvstage_copy_failures_total``.
-- `MeteredCopy`: wraps whatever callable is installed as the worker's ``copy_blocks``
-  (vLLM's ``CopyBlocksOp`` signature) and records each call into the worker's stats; it
-  re-raises a copy's error after counting it. `metered_copy_blocks()` is the property the
-  connector's worker class declares as ``copy_blocks``, so every assignment (vLLM's, or
-  kvstage's copy implementation of the day) is metered, none is special-cased.
+- `MeteredCopy`: wraps kvstage's copy op (vLLM's ``CopyBlocksOp`` signature), the worker's
+  ``copy_blocks``, and records each call into the worker's own `KVStageStats` of copies;
+  it re-raises a copy's error after counting it. vLLM's stats object (``xfer_stats``) is
+  left as vLLM made it: `with_copies` joins the two when vLLM asks the connector for its
+  stats (``get_kv_connector_stats``), once per step.
+- `log_reads` (``kvstage_log_reads``): one `READ_LOG` line per READ vLLM recorded (NIXL's
+  telemetry: bytes, transfer and post microseconds, descriptors after NIXL's merging).
 
 Bytes: a copy's bytes are its distinct destination block ids times the block bytes of the
 layout, the sum over the distinct KV views (storage, offset, dtype, shape, stride: aliased
@@ -38,6 +40,7 @@ calls them from ``execute_model``); nothing here locks or starts a thread.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -176,13 +179,12 @@ CopyOp = Callable[..., None]
 class MeteredCopy:
     """A ``CopyBlocksOp`` that records blocks, bytes, seconds and failures of ``op``.
 
-    ``stats_of()`` returns the stats to record into at call time (the worker replaces its
-    stats object on every ``get_kv_connector_stats``).
+    ``stats``: where the calls are recorded (`with_copies` takes them out each step).
     """
 
-    def __init__(self, op: CopyOp, stats_of: Callable[[], KVStageStats | None]) -> None:
+    def __init__(self, op: CopyOp, stats: KVStageStats) -> None:
         self.op = op
-        self._stats_of = stats_of
+        self.stats = stats
         self._block_bytes: dict[int, int] = {}  # id(dst caches) -> block bytes
 
     def __call__(
@@ -197,13 +199,10 @@ class MeteredCopy:
         try:
             self.op(src_caches, dst_caches, src_block_ids, dst_block_ids, direction)
         except BaseException:
-            stats = self._stats_of()
-            if stats is not None:
-                stats.record_failed_copy()
+            self.stats.record_failed_copy()
             raise
         seconds = time.perf_counter() - start
-        stats = self._stats_of()
-        if stats is None or direction not in DIRECTIONS:
+        if direction not in DIRECTIONS:
             return
         # kvstage's op knows what one id moves (whole logical pages of every tensor); for
         # another op, the distinct views' first blocks
@@ -211,25 +210,38 @@ class MeteredCopy:
         if per_block is None:  # the caches live as long as the worker: compute once
             per_block = self._block_bytes[id(dst_caches)] = block_bytes(dst_caches)
         blocks = len(set(dst_block_ids))
-        stats.record_copy(direction, blocks, blocks * per_block, seconds)
+        self.stats.record_copy(direction, blocks, blocks * per_block, seconds)
 
 
-def metered_copy_blocks() -> property:
-    """The ``copy_blocks`` property of a NIXL worker class: what is assigned is wrapped in
-    a `MeteredCopy` recording into the worker's ``xfer_stats`` (when it is a
-    `KVStageStats`); reading returns the wrapper (or None)."""
-
-    def get(worker: Any) -> MeteredCopy | None:
-        return worker.__dict__.get("_kvstage_copy_blocks")
-
-    def set_(worker: Any, op: CopyOp | None) -> None:
-        if op is not None and not isinstance(op, MeteredCopy):
-            op = MeteredCopy(op, lambda: _kvstage_stats(worker))
-        worker.__dict__["_kvstage_copy_blocks"] = op
-
-    return property(get, set_, doc="the worker's copy op, metered into its KV stats")
+def with_copies(nixl: KVConnectorStats | None, copies: KVStageStats) -> KVStageStats | None:
+    """One step's stats for vLLM: its NIXL figures (``nixl``, what vLLM's worker returns
+    from ``get_kv_connector_stats``: None when it saw nothing) plus the copies recorded in
+    ``copies`` since the last call (which is reset); None when both are empty."""
+    if nixl is None and copies.is_empty():
+        return None
+    out = KVStageStats(data=dict(nixl.data) if nixl is not None else {})
+    for key in COPY_KEYS:
+        out.data[key] = list(copies.data[key])
+    copies.reset()
+    return out
 
 
-def _kvstage_stats(worker: Any) -> KVStageStats | None:
-    stats = getattr(worker, "xfer_stats", None)
-    return stats if isinstance(stats, KVStageStats) else None
+LOG_PREFIX = "kvstage READ"
+#: one logged READ line (``kvstage_log_reads``): bytes, xfer_us, nixl_post_us, nixl_descs
+#: as groups 1-4 (what the benches parse): NIXL's telemetry of that READ, as vLLM recorded it
+READ_LOG = re.compile(
+    LOG_PREFIX + r" bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)"
+)
+
+
+def log_reads(stats: KVConnectorStats | None, logger: Any) -> None:
+    """``kvstage_log_reads``: one `READ_LOG` line per READ in vLLM's stats of a step."""
+    if stats is None:
+        return
+    data = stats.data
+    for nbytes, xfer, post, descs in zip(
+        data.get("bytes_transferred", ()), data.get("transfer_duration", ()),
+        data.get("post_duration", ()), data.get("num_descriptors", ()), strict=False,
+    ):
+        logger.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d", LOG_PREFIX,
+                    int(nbytes), round(xfer * 1e6), round(post * 1e6), int(descs))

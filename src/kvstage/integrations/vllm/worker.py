@@ -1,9 +1,9 @@
 """`KVStageConnectorWorker`: vLLM's NIXL worker with kvstage's host buffers, copy engine,
-merged READs, sealed handshake, notification guard, checksums and stats.
+sealed handshake, notification guard, lease check, checksums and copy stats.
 
-Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc.
-Threads: copies run where vLLM calls them (the worker's step); vLLM's handshake thread runs
-the sealed query (`secure_handshake.SealedHandshake`).
+Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc and
+README "The vLLM surface". Threads: copies run where vLLM calls them (the worker's step);
+vLLM's handshake thread runs the sealed query (`secure_handshake.SealedHandshake`).
 """
 
 from __future__ import annotations
@@ -20,21 +20,12 @@ from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
+from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
-from kvstage.integrations.vllm.reads import install_merged_reads
-from kvstage.integrations.vllm.settings import (
-    HASH_PREFIX,
-    force_host_buffer,
-    sleeping_progress_thread,
-)
-from kvstage.integrations.vllm.state import (
-    copy_logical,
-    logical_ids,
-    refuse_unservable,
-    state_group_flags,
-)
-from kvstage.integrations.vllm.stats import KVStageStats, metered_copy_blocks
+from kvstage.integrations.vllm.settings import HASH_PREFIX, sleeping_progress_thread
+from kvstage.integrations.vllm.state import copy_logical, refuse_unservable
+from kvstage.integrations.vllm.stats import KVStageStats, MeteredCopy
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -45,22 +36,32 @@ if TYPE_CHECKING:
 logger = init_logger(f"vllm.{__name__}")
 
 
+class _Finished:
+    """``r in _Finished(done)``: True unless ``r`` is in ``done`` (for `WorkerLeases.prune`)."""
+
+    def __init__(self, done: set[str]) -> None:
+        self.done = done
+
+    def __contains__(self, rid: object) -> bool:
+        return rid not in self.done
+
+
 class KVStageConnectorWorker(NixlConnectorWorker):
     """NIXL worker whose host buffers alias like the device and whose copy is fused."""
 
     compat_hash: str | None  # set by vLLM's register_kv_caches
     xfer_handshake_metadata: Any
-    # every copy op assigned (vLLM's None, kvstage's) is timed into the KV stats (stats.py)
-    copy_blocks = metered_copy_blocks()
 
     def __init__(
-        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
+        config: KVStageConfig | None = None,
     ) -> None:
+        self._kvstage = config or KVStageConfig.from_vllm(vllm_config)  # refuses bad values
         refuse_unservable(vllm_config, kv_cache_config)  # one line, before vLLM's asserts
+        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
-        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
-        with sleeping_progress_thread(vllm_config):
+        with sleeping_progress_thread(self._kvstage.progress_delay_us):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         # notifications must carry the request's capability (secure.py); handshakes sealed
         secure.guard_notifications(
@@ -70,26 +71,17 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self._kvstage_handshake = secure_handshake.SealedHandshake.for_key(
             self._kvstage_security.key
         )
-        # READs post one descriptor per run per region, not per (region, block): reads.py
-        self._kvstage_reads = install_merged_reads(
-            self.nixl_wrapper, self.kv_transfer_config.kv_connector_extra_config or {}, logger
-        )
-        self.xfer_stats = KVStageStats()  # vLLM's NIXL figures plus kvstage's copies
-        if force_host_buffer(vllm_config):
+        if self._kvstage.force_host_buffer:
             self.use_host_buffer = True
-        if self.kv_transfer_config.enable_permute_local_kv:
-            raise ValueError(
-                "KVStageConnector keeps the host layout equal to the device layout; "
-                "enable_permute_local_kv (heterogeneous TP permute) is not supported"
-            )
         # Both sides must stage through kvstage's buffers: the check is not optional.
         self.enforce_compat_hash = True
         self._copier: EngineCopyOp | None = None
-        extra = self.kv_transfer_config.kv_connector_extra_config
-        self._kvstage_checksums = checksums.WorkerChecksums(
-            checksums.enabled(extra, vllm_config.parallel_config.world_size)
-        )
-        self._kvstage_leases = lease.WorkerLeases(lease.margin_s(extra))
+        #: kvstage's copies since vLLM last asked for stats (`stats.with_copies`)
+        self.kvstage_copies = KVStageStats()
+        self._kvstage_checksums = checksums.WorkerChecksums(self._kvstage.verify_checksum)
+        self._kvstage_leases = lease.WorkerLeases(self._kvstage.lease_margin_s)
+        #: decode: requests whose READ bytes failed the checksum (reported as failed loads)
+        self.kvstage_failed: set[str] = set()
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
@@ -97,17 +89,17 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         groups = [(g.layer_names, g.kv_cache_spec) for g in config.kv_cache_groups]
         model = str(self.vllm_config.model_config.model)
         # rows of LOGICAL blocks (vLLM's block pool ids): state groups' ids and attention
-        # groups' (kernel ids folded back) then index one space (state.py)
+        # groups' (kernel blocks: a tensor of num_blocks x r rows) index one space (state.py)
         self._copier = EngineCopyOp(
             kv_caches, self.host_xfer_buffers,
             kvstage_groups(groups, kv_caches, config.num_blocks, model), config.num_blocks,
         )
-        self._kvstage_state_groups = state_group_flags(config)
         # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
-        # set ours now, so the path is complete whatever the platform.
-        self.copy_blocks = self._copier
+        # set ours now (metered: stats.py), so the path is complete whatever the platform.
+        self.copy_blocks = MeteredCopy(self._copier, self.kvstage_copies)
+        kernel_blocks = max(t.shape[0] // config.num_blocks for t in kv_caches.values())
         self._kvstage_checksums.attach(
-            self._copier.engine.host.tensor_views, self._physical_blocks_per_logical_kv_block,
+            self._copier.engine.host.tensor_views, kernel_blocks,
             checksums.read_extents(self._copier.layout),
         )
         per_layer = sum(t.nbytes for t in kv_caches.values())
@@ -122,38 +114,38 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             self._copier.layout.num_tensors,  # state and attention views alias one tensor
         )
 
-    # d2h and h2d of LOGICAL block ids (state.py: vLLM flattens kernel ids of attention
-    # groups with state groups' logical ids, two index spaces once a block is split); the
-    # opt-in checksum (checksums.py) digests after the save and verifies before the h2d
+    # d2h and h2d of LOGICAL block ids, the scheduler's (``local_block_ids``: vLLM's worker
+    # would expand attention groups to kernel ids and flatten them with state groups'
+    # logical ids, two index spaces once a block is split; state.py); the opt-in checksum
+    # (checksums.py) digests after the save and verifies before the h2d
     def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
-        ratio = self._physical_blocks_per_logical_kv_block
-        for meta in metadata.reqs_to_save.values():
-            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
-                meta.local_block_ids, ratio
-            )
-        # the scheduler's ids are logical already (state.py); synchronous, as vLLM's
-        with gpu_sync_allowed():
+        with gpu_sync_allowed():  # synchronous, as vLLM's
             copy_logical(self, "d2h", [[b for g in m.local_block_ids for b in g]
                                        for m in metadata.reqs_to_save.values()])
         self._kvstage_checksums.after_save(metadata)
 
     def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
-        del req_id
-        ids = logical_ids(meta.local_physical_block_ids,
-                          self._physical_blocks_per_logical_kv_block, self._kvstage_state_groups)
+        if self._kvstage_checksums.verify([req_id], {req_id: meta}):
+            self.kvstage_failed.add(req_id)  # no h2d: the load fails (connector.py)
+            return
         with gpu_sync_allowed():
-            copy_logical(self, "h2d", [ids])
+            copy_logical(self, "h2d", [[b for g in meta.local_block_ids for b in g]])
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         self._kvstage_checksums.expect(metadata)
         self._kvstage_leases.expect(metadata)
         super().start_load_kv(metadata)
-        self._kvstage_leases.prune(self._recving_metadata)
+
+    def take_failed(self, finished_recving: set[str]) -> set[str]:
+        """The checksum failures to report as failed loads; forgets what finished."""
+        self._kvstage_leases.prune(_Finished(finished_recving))
+        failed, self.kvstage_failed = self.kvstage_failed, set()
+        return failed
 
     # lease.py: no READ of blocks whose prefill lease may have ended (fails the load)
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         why = self._kvstage_leases.refusal(req_id, meta, self._engine_clock_offset)
-        if why is None or meta.remote.engine_id in self._invalid_remote_engines:
+        if why is None:
             super()._read_blocks_for_req(req_id, meta)
             return
         lease.WorkerLeases.log(req_id, meta.remote.engine_id, why)
@@ -162,12 +154,6 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self._handle_failed_transfer(
             req_id, None, self._recv_failures, record_failed_transfer=False
         )
-
-    def _pop_done_transfers(self, transfers: dict[str, list[int]]) -> tuple[set[str], set[str]]:
-        done, failed = super()._pop_done_transfers(transfers)
-        if transfers is self._recving_transfers:  # a mismatch fails the load (no h2d)
-            failed |= self._kvstage_checksums.verify(done - failed, self._recving_metadata)
-        return done, failed
 
     def set_host_xfer_buffer_ops(self, copy_operation: CopyBlocksOp) -> None:
         # vLLM's op copies every layer name (aliases again); ours is already in place.

@@ -1,0 +1,163 @@
+"""`KVStageConfig`: every setting `KVStageConnector` reads, parsed and checked once.
+
+Contract
+--------
+- `KVStageConfig.parse(extra, ...)`: ``kv_connector_extra_config`` (a mapping, or None) plus
+  the vLLM settings the connector reads (``kv_buffer_device``, ``enable_permute_local_kv``,
+  the instance's TP x PP ``world_size``) into one frozen object. Every bad value is
+  reported, one line each, in ONE `ValueError` (``kv_connector_extra_config key=value:
+  expected ...``); an unknown ``kvstage_*`` key is refused with the list of known ones;
+  ``kvstage_merge_reads`` is refused as removed. Keys vLLM itself reads are left to it,
+  except ``kv_lease_duration``, parsed here with vLLM's default (30) so that the prefill's
+  lease stamp and the decode's margin use one value.
+- `KVStageConfig.from_vllm(vllm_config)`: the same from a ``VllmConfig`` (read by attribute:
+  importing this module never imports vLLM). The connector builds it once per role
+  object (scheduler, worker) and hands it to the pieces.
+- `KEYS`: ``(name, type, default, range, meaning)`` per key: README's table is this table.
+
+No thread, no state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvstage.transport.nixl_agent import DEFAULT_PROGRESS_DELAY_US, MAX_PROGRESS_DELAY_US
+
+LEASE_DEFAULT_S = 30  # vLLM's default kv_lease_duration (NixlBaseConnectorScheduler)
+LEASE_SLACK_S = 2.0  # the handshake offset's error plus the READ's start, beyond a heartbeat
+REMOVED = {
+    "kvstage_merge_reads": "kvstage_merge_reads was removed: NIXL merges vLLM's per-block "
+                           "READ descriptors itself, at a third of the posting cost "
+                           "(BENCHMARKS.md \"Inside vLLM\"); drop the key",
+}
+
+#: (key, type, default, range, meaning): the README table
+KEYS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("kvstage_force_host_buffer", "bool", "false", "true/false",
+     "the host path on where vLLM's platform turns it off (device type cpu: tests)"),
+    ("kvstage_key_file", "str", "none", "a file of mode 600/400, >= 16 bytes",
+     "the shared key (or KVSTAGE_KEY): seals the handshake, capabilities on notifications"),
+    ("kvstage_allow_unauthenticated", "bool", "false", "true/false",
+     "run without a key on a non-loopback side channel"),
+    ("kvstage_verify_checksum", "bool", "false", "true/false; TP = PP = 1",
+     "xxh3-64 of each block, prefill to decode, checked before the h2d"),
+    ("kvstage_lease_margin_s", "float", "kv_lease_duration // 6 + 2", ">= 0, finite",
+     "decode: no READ of blocks whose prefill lease ends within this many seconds"),
+    ("kvstage_progress_delay_us", "int", str(DEFAULT_PROGRESS_DELAY_US),
+     f"0..{MAX_PROGRESS_DELAY_US}", "NIXL progress-thread sleep when idle (0: busy poll)"),
+    ("kvstage_log_reads", "bool", "false", "true/false",
+     "log each READ's NIXL figures (bytes, microseconds, descriptors)"),
+    ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
+     "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
+)
+KNOWN = tuple(k for k, *_ in KEYS if k.startswith("kvstage_"))
+
+
+def _bool(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
+
+
+def _number(value: Any, low: float, *, strict: bool = False) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value < low or (strict and value == low):
+        return None
+    return float(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class KVStageConfig:
+    """The connector's settings (see `KEYS` for each one's meaning)."""
+
+    force_host_buffer: bool = False
+    key_file: str | None = None
+    allow_unauthenticated: bool = False
+    verify_checksum: bool = False
+    lease_margin_s: float = LEASE_DEFAULT_S // 6 + LEASE_SLACK_S
+    progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US
+    log_reads: bool = False
+    lease_duration_s: float = float(LEASE_DEFAULT_S)
+
+    @classmethod
+    def parse(cls, extra: Mapping[str, Any] | None, *, kv_buffer_device: str = "cpu",
+              permute_local_kv: bool = False, world_size: int = 1) -> KVStageConfig:
+        extra = dict(extra or {})
+        bad: list[str] = []
+
+        def refuse(key: str, expected: str) -> None:
+            bad.append(f"kv_connector_extra_config {key}={extra[key]!r}: expected {expected}")
+
+        out: dict[str, Any] = {}
+        for key, field in (("kvstage_force_host_buffer", "force_host_buffer"),
+                           ("kvstage_allow_unauthenticated", "allow_unauthenticated"),
+                           ("kvstage_verify_checksum", "verify_checksum"),
+                           ("kvstage_log_reads", "log_reads")):
+            if key in extra:
+                value = _bool(extra[key])
+                if value is None:
+                    refuse(key, "true or false")
+                else:
+                    out[field] = value
+        if "kvstage_key_file" in extra:
+            path = extra["kvstage_key_file"]
+            if path is not None and not (isinstance(path, str) and path):
+                refuse("kvstage_key_file", "a path string")
+            else:
+                out["key_file"] = path
+        lease = float(LEASE_DEFAULT_S)
+        if "kv_lease_duration" in extra:
+            number = _number(extra["kv_lease_duration"], 0.0, strict=True)
+            if number is None:
+                refuse("kv_lease_duration", "a number of seconds > 0")
+            else:
+                lease = number
+        out["lease_duration_s"] = lease
+        out["lease_margin_s"] = int(lease) // 6 + LEASE_SLACK_S
+        if "kvstage_lease_margin_s" in extra:
+            number = _number(extra["kvstage_lease_margin_s"], 0.0)
+            if number is None:
+                refuse("kvstage_lease_margin_s", f"a number of seconds >= 0 (leave it out "
+                       f"for kv_lease_duration // 6 + {LEASE_SLACK_S:g})")
+            else:
+                out["lease_margin_s"] = number
+        if "kvstage_progress_delay_us" in extra:
+            delay = extra["kvstage_progress_delay_us"]
+            if isinstance(delay, bool) or not isinstance(delay, int) or not (
+                    0 <= delay <= MAX_PROGRESS_DELAY_US):
+                refuse("kvstage_progress_delay_us",
+                       f"an int 0..{MAX_PROGRESS_DELAY_US} (microseconds; 0: NIXL's busy poll)")
+            else:
+                out["progress_delay_us"] = delay
+        for key in extra:
+            if key in REMOVED:
+                bad.append(f"kv_connector_extra_config {key}={extra[key]!r}: {REMOVED[key]}")
+            elif key.startswith("kvstage_") and key not in KNOWN:
+                bad.append(f"kv_connector_extra_config {key}={extra[key]!r}: unknown kvstage "
+                           f"key; known: {', '.join(KNOWN)}")
+        if kv_buffer_device != "cpu":
+            bad.append(f"kv_buffer_device={kv_buffer_device!r}: expected 'cpu' (KVStageConnector "
+                       "stages KV through host memory; use NixlConnector for device-to-device)")
+        if permute_local_kv:
+            bad.append("enable_permute_local_kv=True: expected false (KVStageConnector keeps "
+                       "the host layout equal to the device layout; no heterogeneous TP permute)")
+        if out.get("verify_checksum") and world_size != 1:
+            bad.append(f"kv_connector_extra_config kvstage_verify_checksum=True: expected one "
+                       f"worker per instance (TP = PP = 1), this instance has {world_size}")
+        if bad:
+            raise ValueError("KVStageConnector: " + "\n".join(bad))
+        return cls(**out)
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any) -> KVStageConfig:
+        """From vLLM's ``VllmConfig`` (its ``kv_transfer_config`` and parallel sizes)."""
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None
+        return cls.parse(
+            kv.kv_connector_extra_config, kv_buffer_device=kv.kv_buffer_device,
+            permute_local_kv=bool(getattr(kv, "enable_permute_local_kv", False)),
+            world_size=int(vllm_config.parallel_config.world_size),
+        )
