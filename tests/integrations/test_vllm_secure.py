@@ -15,11 +15,11 @@ import pytest
 pytest.importorskip("vllm")
 
 import msgspec  # noqa: E402
-from vllm.config import KVTransferConfig, VllmConfig  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlHandshakePayload  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
 from kvstage.integrations.vllm import secure  # noqa: E402
+from kvstage.integrations.vllm.config import KVStageConfig  # noqa: E402
 from kvstage.integrations.vllm.connector import remote_compat_hash  # noqa: E402
 from kvstage.integrations.vllm.secure_handshake import (  # noqa: E402
     HandshakeRefused,
@@ -34,19 +34,17 @@ KEY = b"k" * 32
 ENGINE = "engine-a"
 
 
-def _config(**extra: object) -> VllmConfig:
-    return VllmConfig(kv_transfer_config=KVTransferConfig(
-        kv_connector="KVStageConnector", kv_connector_module_path="kvstage.integrations.vllm",
-        kv_role="kv_producer", kv_connector_extra_config=dict(extra)))
+def _config(**extra: object) -> KVStageConfig:
+    return KVStageConfig.parse(extra)  # the connector's settings, as it parses them
 
 
 @pytest.fixture(scope="module")
-def config() -> VllmConfig:
+def config() -> KVStageConfig:
     return _config()
 
 
 # -- the key ------------------------------------------------------------------------------
-def test_key_from_the_environment(config: VllmConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_key_from_the_environment(config: KVStageConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSTAGE_KEY", KEY.decode())
     assert secure.Security.from_config(config, side_channel_host="10.1.2.3").key == KEY
 
@@ -64,7 +62,7 @@ def test_key_file_wins_and_must_be_private(tmp_path: Path,
 
 
 def test_no_key_off_loopback_refuses_unless_opted_in(
-    config: VllmConfig, monkeypatch: pytest.MonkeyPatch
+    config: KVStageConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVSTAGE_KEY", raising=False)
     with pytest.raises(ValueError, match=r"refusing to serve vLLM's NIXL side channel on "
@@ -76,7 +74,7 @@ def test_no_key_off_loopback_refuses_unless_opted_in(
 
 
 def test_no_key_on_loopback_works_and_says_so_once(
-    config: VllmConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    config: KVStageConfig, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.delenv("KVSTAGE_KEY", raising=False)
     monkeypatch.setattr(secure, "_warned_unauthenticated", False)
@@ -89,9 +87,10 @@ def test_no_key_on_loopback_works_and_says_so_once(
 
 def test_bad_settings_are_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSTAGE_KEY", raising=False)
-    with pytest.raises(ValueError, match="'kvstage_allow_unauthenticated' must be true or"):
+    with pytest.raises(ValueError, match="kvstage_allow_unauthenticated='yes': expected true "
+                                         "or false"):
         secure.Security.from_config(_config(kvstage_allow_unauthenticated="yes"))
-    with pytest.raises(ValueError, match="'kvstage_key_file' must be a path string"):
+    with pytest.raises(ValueError, match="kvstage_key_file=3: expected a path string"):
         secure.Security.from_config(_config(kvstage_key_file=3))
     monkeypatch.setenv("KVSTAGE_KEY", "short")
     with pytest.raises(ValueError, match="at least 16 bytes"):

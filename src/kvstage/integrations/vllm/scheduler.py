@@ -78,7 +78,7 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self._kvstage = config or KVStageConfig.from_vllm(vllm_config)
         self._kvstage_security = secure.Security.from_config(
-            vllm_config, side_channel_host=self.side_channel_host
+            self._kvstage, side_channel_host=self.side_channel_host
         )
         if self._kvstage.force_host_buffer:
             self.use_host_buffer = True

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from kvstage.pd import auth
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from kvstage.integrations.vllm.config import KVStageConfig
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -65,27 +65,18 @@ class Security:
     allow_unauthenticated: bool = False
 
     @classmethod
-    def from_config(cls, vllm_config: VllmConfig, *,
+    def from_config(cls, config: KVStageConfig, *,
                     side_channel_host: str | None = None) -> Security:
-        """Load and check the key; refuse (ValueError, one line) a non-loopback
+        """Load and check the key (``config``: the connector's settings, checked once by
+        `config.KVStageConfig`); refuse (ValueError, one line) a non-loopback
         ``side_channel_host`` (default: vLLM's ``VLLM_NIXL_SIDE_CHANNEL_HOST``) without one
         unless the user opted in."""
         if side_channel_host is None:
             from vllm import envs
 
             side_channel_host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
-        cfg = vllm_config.kv_transfer_config
-        assert cfg is not None
-        path = cfg.get_from_extra_config(KEY_FILE_KEY, None)
-        allow = cfg.get_from_extra_config(ALLOW_UNAUTHENTICATED_KEY, False)
-        if path is not None and not isinstance(path, str):
-            raise ValueError(f"kv_connector_extra_config {KEY_FILE_KEY!r} must be a path "
-                             f"string, got {type(path).__name__}")
-        if not isinstance(allow, bool):
-            raise ValueError(f"kv_connector_extra_config {ALLOW_UNAUTHENTICATED_KEY!r} must "
-                             f"be true or false, got {allow!r}")
-        key = auth.load_key(path, os.environ)
-        security = cls(key=key, allow_unauthenticated=allow)
+        key = auth.load_key(config.key_file, os.environ)
+        security = cls(key=key, allow_unauthenticated=config.allow_unauthenticated)
         security.check_address(side_channel_host, action="serve vLLM's NIXL side channel on")
         return security
 

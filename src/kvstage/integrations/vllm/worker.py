@@ -58,7 +58,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     ) -> None:
         self._kvstage = config or KVStageConfig.from_vllm(vllm_config)  # refuses bad values
         refuse_unservable(vllm_config, kv_cache_config)  # one line, before vLLM's asserts
-        self._kvstage_security = secure.Security.from_config(vllm_config)  # before any agent
+        self._kvstage_security = secure.Security.from_config(self._kvstage)  # before any agent
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
         with sleeping_progress_thread(self._kvstage.progress_delay_us):
