@@ -76,16 +76,6 @@ def test_verify_names_the_corrupted_request_only() -> None:
     assert checksums.WorkerChecksums(False).verify(["bad"], recving) == set()
 
 
-def test_enabled_refuses_bad_values_and_several_workers() -> None:
-    assert checksums.enabled(None) is False
-    assert checksums.enabled({"kvstage_verify_checksum": True}) is True
-    with pytest.raises(ValueError, match="must be true or false, got 'yes'"):
-        checksums.enabled({"kvstage_verify_checksum": "yes"})
-    with pytest.raises(ValueError, match="one worker per instance .* this instance has 2"):
-        checksums.enabled({"kvstage_verify_checksum": True}, 2)
-    assert checksums.enabled({"kvstage_verify_checksum": False}, 2) is False
-
-
 def test_digests_cover_what_the_read_writes_only() -> None:
     """Two physical tensors; group 0 attention with a layer in both (whole pages), group 1
     a state group with a layer in tensor 0 only, 12 bytes of states in a 64-byte page. Bytes

@@ -1,5 +1,5 @@
 """`integrations.vllm.lease`, exactly (the real-engine proof is
-tests/system/vllm/test_serving_lease.py): the margin's default and its refusals, the
+tests/system/vllm/test_serving_lease.py; the margin's default and refusals: test_vllm_config), the
 decision for an expired lease, one inside the margin, one outside it, an absent value and
 garbage, the prefill's stamp, the scheduler's hand-over, and the worker hook that fails the
 load without starting a READ."""
@@ -19,21 +19,6 @@ pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-c
 from kvstage.integrations.vllm import lease  # noqa: E402
 from kvstage.integrations.vllm.stats import KVStageStats  # noqa: E402
 from kvstage.integrations.vllm.worker import KVStageConnectorWorker  # noqa: E402
-
-
-def test_margin_default_is_the_heartbeat_interval_plus_slack() -> None:
-    assert lease.margin_s(None) == 30 // 6 + 2.0 == 7.0
-    assert lease.margin_s({"kv_lease_duration": 6}) == 3.0
-    assert lease.margin_s({"kv_lease_duration": 5}) == 2.0  # vLLM heartbeats every step
-    assert lease.margin_s({"kvstage_lease_margin_s": 0.5, "kv_lease_duration": 6}) == 0.5
-    assert lease.margin_s({"kvstage_lease_margin_s": 0}) == 0.0
-
-
-@pytest.mark.parametrize("bad", [-1, "3", True, None, math.nan, math.inf, [3]])
-def test_margin_refuses_what_is_not_seconds(bad: Any) -> None:
-    with pytest.raises(ValueError, match=r"kvstage_lease_margin_s in kv_connector_extra_config "
-                       r"must be a number of seconds >= 0, got .*leave it out"):
-        lease.margin_s({"kvstage_lease_margin_s": bad})
 
 
 def test_refusal_expired_inside_margin_outside_margin() -> None:

@@ -52,7 +52,6 @@ from vllm.logger import init_logger
 
 from kvstage.pd.integrity import (
     Extent,
-    check_available,
     describe,
     extent_digests,
     from_params,
@@ -68,22 +67,6 @@ VERIFY_KEY = "kvstage_verify_checksum"
 PARAMS_KEY = "kvstage_checksums"
 
 Digests = dict[int, int]  # block id -> xxh3-64
-
-
-def enabled(extra_config: Mapping[str, Any] | None, world_size: int = 1) -> bool:
-    """Whether the checksum is on. ``world_size``: the instance's TP x PP ranks; the
-    digests are keyed by block id only, and each rank holds other bytes of a block."""
-    value = (extra_config or {}).get(VERIFY_KEY, False)
-    if not isinstance(value, bool):
-        raise ValueError(f"{VERIFY_KEY} must be true or false, got {value!r}")
-    if value and world_size != 1:
-        raise ValueError(
-            f"{VERIFY_KEY} supports one worker per instance (tensor and pipeline parallel "
-            f"size 1), this instance has {world_size}; turn the checksum off"
-        )
-    if value:
-        check_available()  # the install hint now, not at the first request
-    return value
 
 
 @dataclass

@@ -34,8 +34,8 @@ Contract
 - Margin: ``"kvstage_lease_margin_s"`` in ``kv_connector_extra_config`` (seconds, a finite
   number >= 0), by default this instance's heartbeat interval (``kv_lease_duration // 6``,
   the longest a request waits for its first heartbeat) + 2 s (the offset's error, the READ's
-  start). Requests without local blocks to fill (full local hits, aborts) are not checked:
-  they read nothing.
+  start), parsed with the connector's other settings (`config.KVStageConfig`). Requests
+  without local blocks to fill (full local hits, aborts) are not checked: they read nothing.
 
 Threads: the scheduler parts run in vLLM's scheduler step, the worker parts in its worker
 step; nothing here starts a thread.
@@ -56,7 +56,6 @@ logger = init_logger(f"vllm.{__name__}")
 
 EXPIRES_KEY = "kvstage_lease_expires"
 MARGIN_KEY = "kvstage_lease_margin_s"
-SLACK_S = 2.0  # the handshake offset's error plus the READ's start, on top of a heartbeat
 
 
 def _number(value: Any) -> float | None:
@@ -64,22 +63,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
-
-
-def margin_s(extra_config: Mapping[str, Any] | None) -> float:
-    """The decode's margin (see the module doc); ValueError naming the key on bad input."""
-    extra = extra_config or {}
-    if MARGIN_KEY in extra:
-        value = _number(extra[MARGIN_KEY])
-        if value is None or value < 0:
-            raise ValueError(
-                f"{MARGIN_KEY} in kv_connector_extra_config must be a number of seconds "
-                f">= 0, got {extra[MARGIN_KEY]!r}; leave it out for the default "
-                f"(kv_lease_duration // 6 + {SLACK_S:g})"
-            )
-        return value
-    lease = _number(extra.get("kv_lease_duration", 30))
-    return (int(lease) // 6 if lease is not None and lease > 0 else 0) + SLACK_S
 
 
 def stamp(params: dict[str, Any] | None, delay_free: bool, started: float,
