@@ -1,8 +1,10 @@
 """What a P/D deployment hands each vLLM instance: connector names, ``kv_transfer_config``,
 free ports on 127.0.0.1 and the NIXL side-channel environment.
 
-Contract: pure helpers, no vLLM import; used by `kvstage.serving.cluster` and by the
-real-vLLM test harness (`kvstage.testing.vllm_engines` re-exports them).
+Contract: pure helpers, no vLLM import (kvstage's connector options are checked with
+`kvstage.integrations.vllm.config`, which imports no vLLM either); used by
+`kvstage.serving.cluster` and by the real-vLLM test harness (`kvstage.testing.vllm_engines`
+re-exports them).
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ VLLM_HOST_PATH_CONNECTOR = ("VLLMHostPathConnector", "kvstage.testing.vllm_basel
 def kv_transfer_config(
     connector: tuple[str, str], role: str, **extra_config: Any
 ) -> dict[str, Any]:
-    """A ``kv_transfer_config`` with the host path forced on (CPU platform)."""
+    """A ``kv_transfer_config`` with the host path forced on (CPU platform). For kvstage's
+    connector the options are checked as the connector will check them
+    (`kvstage.integrations.vllm.config.KVStageConfig`: ValueError, one line per bad value)
+    before any engine starts."""
     name, module = connector
+    if connector == KVSTAGE_CONNECTOR:
+        from kvstage.integrations.vllm.config import KVStageConfig
+
+        KVStageConfig.parse({"kvstage_force_host_buffer": True, **extra_config})
     return {
         "kv_connector": name,
         "kv_connector_module_path": module,
