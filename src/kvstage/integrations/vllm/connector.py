@@ -56,10 +56,10 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   on the worker and the scheduler side: it is how the path is tested without a GPU.
 - Checksum (`checksums`, opt-in: ``"kvstage_verify_checksum": true`` on both instances): the
   prefill digests each saved block's host bytes (xxh3-64) and hands the digests to the decode
-  in ``kv_transfer_params``; the decode hashes what its READ wrote before the h2d, and a
+  in ``kv_transfer_params["kvstage"]``; the decode hashes what its READ wrote before the h2d, and a
   mismatch fails the request's KV load (vLLM's ``kv_load_failure_policy`` applies).
 - Lease check (`lease`, always on): the prefill hands out the end of its lease on a
-  request's blocks in ``kv_transfer_params`` (``kvstage_lease_expires``, its
+  request's blocks in ``kv_transfer_params["kvstage"]`` (``lease_expires``, its
   ``perf_counter``); the decode does not start a READ whose lease ends within
   ``kvstage_lease_margin_s`` (default ``kv_lease_duration // 6 + 2`` s) on its clock, as
   vLLM's handshake offset maps it, and fails that request's KV load instead (vLLM's
