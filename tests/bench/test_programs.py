@@ -1,0 +1,51 @@
+"""Every program in the repository's bench/ folder imports and answers ``--help`` (exit 0,
+its usage on stdout), so a moved or removed kvstage module breaks this test rather than the
+next benchmark run. In-process: ``main`` reads ``sys.argv`` where it takes no argv."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import bench
+
+FOLDER = Path(bench.__file__).parent
+MODULES = sorted(m.name for m in pkgutil.iter_modules(bench.__path__))
+#: the programs (the rest are their parts)
+PROGRAMS = ["pd_time", "progress_delay", "serving", "soak", "transfer", "vllm_checksum",
+            "vllm_connector", "vllm_copy", "vllm_floor", "vllm_ssm"]
+
+
+def _import(name: str) -> object:
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ModuleNotFoundError as exc:  # the vllm_* programs that import vLLM at the top
+        if (exc.name or "").split(".")[0] != "vllm":
+            raise
+        pytest.skip(f"bench.{name} needs vLLM (.venv-vllm): {exc}")
+
+
+def test_every_program_is_listed() -> None:
+    with_main = [n for n in MODULES if "\ndef main(" in (FOLDER / f"{n}.py").read_text()]
+    assert with_main == PROGRAMS
+
+
+@pytest.mark.parametrize("name", PROGRAMS)
+def test_program_help(name: str, monkeypatch: pytest.MonkeyPatch,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    module = _import(name)
+    monkeypatch.setattr(sys, "argv", [f"python -m bench.{name}", "--help"])
+    with pytest.raises(SystemExit) as exc:
+        module.main()  # type: ignore[attr-defined]
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ") and "--help" in out
+
+
+@pytest.mark.parametrize("name", sorted(set(MODULES) - set(PROGRAMS)))
+def test_part_imports(name: str) -> None:
+    assert _import(name).__doc__  # each part states its contract at the top
