@@ -3,13 +3,15 @@
 kvstage's listener (`secure_handshake.serve_handshake`) answers vLLM's REAL
 ``_nixl_handshake`` (its query, its two-frame reply parsing, its hash check and agent
 registration, run on a stand-in worker) plainly, and sealed through `SealedHandshake`; vLLM's
-REAL listener answers kvstage's query. A vLLM that changes the query, the reply frames or
-the payload fails here, not in a serving test. `SealedHandshake` changes no vLLM module and
-refuses, in one line, a ``_nixl_handshake`` whose source is not the recorded one.
+REAL listener answers kvstage's query (and runs, unchanged, inside `serve_handshake`). A
+vLLM that changes the query, the reply frames or the payload fails here, not in a serving
+test. Neither end changes a vLLM module, and a vLLM whose ``_nixl_handshake`` or
+``_nixl_handshake_listener`` source is not the recorded one is refused in one line.
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
     NixlConnectorScheduler,
     NixlConnectorWorker,
     NixlHandshakePayload,
+    base_scheduler,
     base_worker,
     utils,
 )
@@ -31,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
     NixlAgentMetadata,
 )
 
-from kvstage.integrations.vllm import secure_handshake  # noqa: E402
+from kvstage.integrations.vllm import secure_handshake, vllm_code  # noqa: E402
 from kvstage.integrations.vllm.secure_handshake import (  # noqa: E402
     HandshakeRefused,
     SealedHandshake,
@@ -159,28 +162,40 @@ def test_vllms_listener_answers_kvstages_query_in_two_frames() -> None:
     assert isinstance(msgspec.msgpack.decode(frames[1]), float)
 
 
-def test_sealing_changes_no_vllm_module() -> None:
+def test_sealing_changes_no_vllm_module(unkeyed: int) -> None:
+    """With the listener serving (``unkeyed``) and a sealed query built, vLLM's modules and
+    functions still hold vLLM's ``zmq_ctx``."""
     vllm_ctx = utils.zmq_ctx
     SealedHandshake(KEY)
-    assert base_worker.zmq_ctx is vllm_ctx
-    assert NixlConnectorWorker._nixl_handshake.__globals__["zmq_ctx"] is vllm_ctx
+    assert base_worker.zmq_ctx is vllm_ctx and base_scheduler.zmq_ctx is vllm_ctx
+    for func in vllm_code.handshake_functions():
+        assert func.__globals__["zmq_ctx"] is vllm_ctx
 
 
-def test_a_changed_vllm_handshake_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(secure_handshake, "HANDSHAKE_SHA256", "0" * 64)
-    with pytest.raises(RuntimeError, match=r"^kvstage cannot seal vLLM \S+'s NIXL handshake: "
-                       r"NixlBaseConnectorWorker\._nixl_handshake .* is not the code kvstage "
-                       r"recorded \(source sha256 cb2c6a99930e8e96, recorded 0000000000000000"):
-        SealedHandshake.for_key(KEY)
+@pytest.mark.parametrize("qualname", sorted(vllm_code.RECORDED))
+def test_a_changed_vllm_handshake_refuses_to_start(qualname: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Either function changed: the worker's start check refuses, with or without a key."""
+    digest = vllm_code.RECORDED[qualname]
+    monkeypatch.setitem(vllm_code.RECORDED, qualname, "0" * 64)
+    pattern = (rf"^kvstage cannot run vLLM \S+'s NIXL handshake on its sealed socket: "
+               rf"{re.escape(qualname)} \(\S+\) is not the code kvstage recorded \(source "
+               rf"sha256 {digest[:16]}, recorded 0000000000000000, vLLM 0.32.0, 0.33.0\); "
+               r"run a supported vLLM$")
+    for key in (KEY, None):
+        with pytest.raises(RuntimeError, match=pattern):
+            SealedHandshake.for_key(key)
+
+
+def test_the_installed_vllm_is_the_recorded_one() -> None:
+    vllm_code.check_vllm()
     assert SealedHandshake.for_key(None) is None
 
 
 def test_the_digest_covers_the_source_lines() -> None:
     source = "class A:\n    def f(self):\n        return 1\n\n    def g(self):\n        pass\n"
     changed = source.replace("return 1", "return 2")
-    assert secure_handshake.source_sha256(source, "A.f") != \
-        secure_handshake.source_sha256(changed, "A.f")
-    assert secure_handshake.source_sha256(source, "A.g") == \
-        secure_handshake.source_sha256(changed, "A.g")
+    assert vllm_code.source_sha256(source, "A.f") != vllm_code.source_sha256(changed, "A.f")
+    assert vllm_code.source_sha256(source, "A.g") == vllm_code.source_sha256(changed, "A.g")
     with pytest.raises(LookupError, match="no A.h in that source"):
-        secure_handshake.source_sha256(source, "A.h")
+        vllm_code.source_sha256(source, "A.h")

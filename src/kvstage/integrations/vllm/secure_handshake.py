@@ -12,32 +12,30 @@ Wire (one REQ/ROUTER exchange per (pp rank, tp rank), as vLLM's):
   and the compatibility hash ``REFUSED_PREFIX + reason``, so any vLLM client reports a hash
   mismatch that says why, and kvstage's raises `HandshakeRefused` with the reason.
 
-`serve_handshake` is the prefill-side listener (the thread vLLM's scheduler starts, same
-arguments as vLLM's ``_nixl_handshake_listener``) over kvstage's own side-channel socket
-(`kvstage.pd.side_channel.SideChannelServer`, raw mode): it never dies on hostile input,
-bounds messages to `MAX_QUERY_BYTES`, and stops within 1 s of ``stop_event``.
+Both ends run vLLM's own handshake code (`vllm_code.rebind`: a private copy of each
+function with its ``zmq_ctx`` rebound, its source pinned by digest, nothing in vLLM modified)
+on kvstage's own sockets, and only those:
 
-Decode side, with a key: `SealedHandshake` runs vLLM's own ``_nixl_handshake`` code (TP
-mapping, hash check, agent registration: all vLLM's) with ONE name rebound in a private copy
-of its globals: ``zmq_ctx`` opens kvstage's REQ socket (`SideChannelClient.exchange`) that
-seals the query and opens the reply. Nothing in vLLM is modified, no other socket is
-touched; at start it refuses, in one line, a vLLM whose ``_nixl_handshake`` source is not
-the one recorded (`HANDSHAKE_SHA256`), as that code is what it relies on (it opens one
-``zmq_ctx(zmq.REQ, path)`` and calls ``setsockopt``, ``send``, ``recv_multipart`` on it).
-Without a key the worker runs vLLM's method as it is. `fetch_payload` is the same exchange
-for one rank, bounded (diagnostics, tests).
+- prefill: `serve_handshake` (the thread vLLM's scheduler starts, vLLM's arguments) runs
+  vLLM's ``_nixl_handshake_listener`` on `_SealedRouter`, kvstage's side-channel ROUTER
+  (`kvstage.pd.side_channel.SideChannelServer`, raw mode). It hands vLLM's loop only
+  queries that passed `check_query` (key, replay, shape, a rank it serves), answers every
+  other one itself with a `refusal`, and seals vLLM's reply; so the listener never dies on
+  hostile input, bounds messages to `MAX_QUERY_BYTES`, and stops within 1 s of
+  ``stop_event``.
+- decode, with a key: `SealedHandshake` runs vLLM's ``_nixl_handshake`` (TP mapping, hash
+  check, agent registration: all vLLM's) on `_SealedReq`, kvstage's REQ round trip
+  (`SideChannelClient.exchange`) that seals the query and opens the reply. Without a key
+  the worker runs vLLM's method as it is.
+
+`fetch_payload` is the same exchange for one rank, bounded (diagnostics, tests).
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
-import hashlib
-import inspect
-import sys
 import threading
 import time
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -47,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlHandshakePaylo
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.logger import init_logger
 
+from kvstage.integrations.vllm import vllm_code
 from kvstage.pd.auth import Authenticator
 from kvstage.pd.side_channel import SideChannelClient, SideChannelServer, send_raw
 
@@ -55,10 +54,6 @@ logger = init_logger(f"vllm.{__name__}")
 REFUSED_PREFIX = "kvstage-refused: "
 MAX_QUERY_BYTES = 1 << 12  # a sealed query is ~150 bytes
 MAX_REASON_CHARS = 300
-#: `source_sha256` of ``NixlBaseConnectorWorker._nixl_handshake``, the vLLM code
-#: `SealedHandshake` runs with kvstage's socket (the same source in these versions)
-HANDSHAKE_SHA256 = "cb2c6a99930e8e968917e9ef1cda7cabe42c0a2ed6704cf9b890c71715d58830"
-HANDSHAKE_VERSIONS = ("0.32.0", "0.33.0")
 
 
 class HandshakeRefused(RuntimeError):
@@ -87,67 +82,113 @@ def _parse_query(data: bytes, encoded: dict[tuple[int, int], bytes]) -> bytes | 
     return f"no rank (pp {pp_rank}, tp {tp_rank}) here" if payload is None else payload
 
 
-def answer(data: bytes, encoded: dict[tuple[int, int], bytes],
-           auth: Authenticator) -> tuple[list[bytes], str | None]:
-    """The reply frames to one query, and the reason when it is a refusal."""
+def check_query(data: bytes, encoded: dict[tuple[int, int], bytes],
+                auth: Authenticator) -> tuple[bytes, bytes | None] | str:
+    """(the plain query, the nonce its reply answers; None unkeyed) of a query vLLM's
+    listener may be given, or why it is refused."""
     if auth.key is None:
         if Authenticator.peek_nonce(data):  # a keyed decode's sealed query
-            reason = ("this prefill has no shared key; the decode has one: give both the "
-                      "same key")
-            return refusal(reason), reason
-        found = _parse_query(data, encoded)
-        if isinstance(found, str):
-            return refusal(found), found
-        return [found, msgspec.msgpack.encode(time.perf_counter())], None
-    if not Authenticator.peek_nonce(data):
-        reason = ("this prefill requires the shared key and the query carried none: give "
-                  "the decode the same key (KVSTAGE_KEY or kvstage_key_file)")
-        return refusal(reason), reason
-    try:
-        inner, nonce = auth.open_request_bytes(data)
-    except (ValueError, PermissionError) as e:  # Unauthorized, ProtocolMismatch
-        return refusal(str(e)), str(e)
+            return "this prefill has no shared key; the decode has one: give both the same key"
+        inner, nonce = data, None
+    elif not Authenticator.peek_nonce(data):
+        return ("this prefill requires the shared key and the query carried none: give the "
+                "decode the same key (KVSTAGE_KEY or kvstage_key_file)")
+    else:
+        try:
+            inner, nonce = auth.open_request_bytes(data)
+        except (ValueError, PermissionError) as e:  # Unauthorized, ProtocolMismatch
+            return str(e)
     found = _parse_query(inner, encoded)
-    if isinstance(found, str):
-        return refusal(found), found
-    sealed, _ = auth.seal_bytes(msgspec.msgpack.encode((found, time.perf_counter())),
-                                reply_to=nonce)
-    return [sealed], None
+    return found if isinstance(found, str) else (inner, nonce)
+
+
+def _host_port(addr: str) -> tuple[str, int]:
+    """(host, port) of vLLM's ``tcp://host:port`` (``tcp://[v6]:port``) path."""
+    host, _, port = addr.removeprefix("tcp://").rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class _SealedRouter:
+    """kvstage's ROUTER in the shape vLLM's listener uses (``setsockopt``, ``recv_multipart``
+    raising ``zmq.Again`` after ``RCVTIMEO``, ``send_multipart``); see the module doc."""
+
+    def __init__(self, addr: str, encoded: dict[tuple[int, int], bytes],
+                 key: bytes | None) -> None:
+        host, port = _host_port(addr)
+        # the connector's Security.from_config refused an unkeyed public address at start,
+        # worded for vLLM users: the server does not ask again
+        self._server = SideChannelServer(host, port, key=key, insecure=True,
+                                         max_message_bytes=MAX_QUERY_BYTES)
+        self._auth = Authenticator(key)  # owned by the listener thread (its replay cache)
+        self._encoded = encoded
+        self._timeout_s = 1.0
+        self._nonces: dict[bytes, bytes | None] = {}  # peer -> the query its reply answers
+        self.num_refused = 0
+
+    def setsockopt(self, option: int, value: Any) -> None:
+        if option == zmq.RCVTIMEO and value > 0:
+            self._timeout_s = value / 1000
+
+    def recv_multipart(self) -> list[bytes]:
+        deadline = time.monotonic() + self._timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            got = self._server.poll_raw(left)
+            if got is None:
+                break
+            routing, data = got
+            if len(routing) != 2 or routing[1] != b"":  # not a REQ socket: nothing to answer
+                continue
+            try:
+                checked = check_query(data, self._encoded, self._auth)
+            except Exception as e:  # hostile input must never stop the listener
+                checked = f"unreadable query ({type(e).__name__})"
+            if isinstance(checked, str):
+                self._refuse(routing, checked)
+                continue
+            self._nonces[routing[0]] = checked[1]
+            return [routing[0], b"", checked[0]]
+        raise zmq.Again()
+
+    def send_multipart(self, frames: Any) -> None:
+        identity, _, payload, remote_perf = frames
+        nonce = self._nonces.pop(bytes(identity), None)
+        reply = [payload, remote_perf]
+        if nonce is not None:
+            body = msgspec.msgpack.encode((payload, msgspec.msgpack.decode(remote_perf)))
+            reply = [self._auth.seal_bytes(body, reply_to=nonce)[0]]
+        self._server.send_frames([identity, b""], reply)
+
+    def _refuse(self, routing: list[bytes], reason: str) -> None:
+        self.num_refused += 1
+        if self.num_refused <= 10 or self.num_refused % 1000 == 0:
+            logger.warning("kvstage: refused a NIXL handshake query (%d so far): %s",
+                           self.num_refused, reason)
+        self._server.send_frames(routing, refusal(reason))
+
+    def close(self) -> None:
+        self._server.close()
 
 
 def serve_handshake(encoded: dict[tuple[int, int], bytes], ready_event: threading.Event,
                     stop_event: threading.Event, host: str, port: int, *,
                     key: bytes | None) -> None:
-    """The prefill's handshake listener (runs in vLLM's listener thread until stopped)."""
+    """The prefill's handshake listener: vLLM's, on `_SealedRouter` (runs in vLLM's
+    listener thread until stopped)."""
+
+    @contextlib.contextmanager
+    def router(socket_type: Any, addr: str) -> Iterator[_SealedRouter]:
+        assert socket_type == zmq.ROUTER, "vLLM's listener opens a ROUTER socket only"
+        sock = _SealedRouter(addr, encoded, key)
+        try:
+            yield sock
+        finally:
+            sock.close()
+
     try:
-        # the connector's Security.from_config refused an unkeyed public address at start,
-        # worded for vLLM users: the server does not ask again
-        server = SideChannelServer(host, port, key=key, insecure=True,
-                                   max_message_bytes=MAX_QUERY_BYTES)
+        listen = vllm_code.rebind(vllm_code.handshake_functions()[1], zmq_ctx=router)
+        listen(encoded, ready_event, stop_event, host, port)
     finally:
         ready_event.set()  # a failed bind must not leave vLLM waiting forever
-    auth = Authenticator(key)  # owned by this thread (its replay cache)
-    num_refused = 0
-    try:
-        while not stop_event.is_set():
-            got = server.poll_raw(1.0)
-            if got is None:
-                continue
-            routing, query = got
-            if len(routing) != 2 or routing[1] != b"":  # not a REQ socket: nothing to answer
-                continue
-            try:
-                reply, reason = answer(query, encoded, auth)
-            except Exception as e:  # hostile input must never stop the listener
-                reply, reason = refusal(f"unreadable query ({type(e).__name__})"), "unreadable"
-            if reason is not None:
-                num_refused += 1
-                if num_refused <= 10 or num_refused % 1000 == 0:
-                    logger.warning("kvstage: refused a NIXL handshake query (%d so far): %s",
-                                   num_refused, reason)
-            server.send_frames(routing, reply)
-    finally:
-        server.close()
 
 
 def open_reply(frame: bytes, auth: Authenticator, nonce: bytes,
@@ -182,8 +223,8 @@ class _SealedReq:
     two frames."""
 
     def __init__(self, addr: str, key: bytes) -> None:
-        host, _, port = addr.removeprefix("tcp://").rpartition(":")
-        self._client = SideChannelClient(host.strip("[]"), int(port))
+        host, port = _host_port(addr)
+        self._client = SideChannelClient(host, port)
         self._auth = Authenticator(key)
         self._where = f"{host}:{port}"
         self._timeout_s: float | None = None
@@ -202,41 +243,21 @@ class _SealedReq:
         return [payload, msgspec.msgpack.encode(remote_perf)]
 
 
-def source_sha256(module_source: str, qualname: str) -> str:
-    """sha256 of the source lines of ``Class.method`` in ``module_source`` (found by ast, so
-    the same digest comes from an installed vLLM and from a wheel's file)."""
-    cls_name, name = qualname.split(".")
-    tree = ast.parse(module_source)
-    for cls in tree.body:
-        if isinstance(cls, ast.ClassDef) and cls.name == cls_name:
-            for node in cls.body:
-                if isinstance(node, ast.FunctionDef) and node.name == name:
-                    assert node.end_lineno is not None
-                    lines = module_source.splitlines()[node.lineno - 1:node.end_lineno]
-                    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
-    raise LookupError(f"no {qualname} in that source")
-
-
 class SealedHandshake:
-    """vLLM's ``_nixl_handshake`` with its ``zmq_ctx`` bound to kvstage's sealed socket;
-    call it as the method: ``sealed(worker, host, port, ...)``."""
+    """vLLM's ``_nixl_handshake`` on `_SealedReq`; call it as the method:
+    ``sealed(worker, host, port, ...)``."""
 
     def __init__(self, key: bytes) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnectorWorker
-
-        func = NixlConnectorWorker._nixl_handshake
-        check_recorded(func)
-        scope = dict(func.__globals__)
-        scope["zmq_ctx"] = self._socket
-        run = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__,
-                                 func.__closure__)
-        run.__kwdefaults__ = func.__kwdefaults__
-        self._run: Callable[..., tuple[dict[tuple[int, int], str], float]] = run
         self._key = key
+        self._run: Callable[..., tuple[dict[tuple[int, int], str], float]] = vllm_code.rebind(
+            vllm_code.handshake_functions()[0], zmq_ctx=self._socket)
 
     @classmethod
     def for_key(cls, key: bytes | None) -> SealedHandshake | None:
-        """The sealed handshake for ``key`` (checked against vLLM now); None without one."""
+        """Check both rebound vLLM functions now (`vllm_code.check_vllm`: the listener
+        runs on kvstage's socket with or without a key); the sealed query for ``key``,
+        None without one."""
+        vllm_code.check_vllm()
         return None if key is None else cls(key)
 
     @contextlib.contextmanager
@@ -247,21 +268,6 @@ class SealedHandshake:
     def __call__(self, worker: Any, *args: Any,
                  **kwargs: Any) -> tuple[dict[tuple[int, int], str], float]:
         return self._run(worker, *args, **kwargs)
-
-
-def check_recorded(func: Any) -> None:
-    """Refuse (RuntimeError, one line) a vLLM whose ``func`` is not the recorded code."""
-    import vllm
-
-    module = sys.modules[func.__module__]
-    digest = source_sha256(inspect.getsource(module), func.__qualname__)
-    if digest != HANDSHAKE_SHA256:
-        raise RuntimeError(
-            f"kvstage cannot seal vLLM {vllm.__version__}'s NIXL handshake: "
-            f"{func.__qualname__} ({func.__module__}) is not the code kvstage recorded "
-            f"(source sha256 {digest[:16]}, recorded {HANDSHAKE_SHA256[:16]}, vLLM "
-            f"{', '.join(HANDSHAKE_VERSIONS)}); run a supported vLLM, or run without a key"
-        )
 
 
 def fetch_payload(host: str, port: int, key: bytes | None, *, pp_rank: int = 0,
