@@ -36,23 +36,21 @@ Writes ``<out>/pd_time.json`` and ``<out>/pd_time.md``. Bad arguments: one line,
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import sys
 import time
-import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.stream import post, stream_times
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, metric_total, served_model
 
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
                   "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
                   "remote_port": None}
-TIMEOUT_S = 120.0
 P_HIST = ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
           "vllm:request_prefill_time_seconds")
 D_HIST = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
@@ -91,45 +89,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _post(url: str, body: dict[str, Any]) -> http.client.HTTPResponse:
-    u = urllib.parse.urlsplit(url)
-    conn = http.client.HTTPConnection(u.netloc, timeout=TIMEOUT_S)  # "host:port"
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"POST {url} answered {resp.status}: {resp.read(500)!r}")
-    return resp
-
-
-def _stream(url: str, body: dict[str, Any], start: float) -> tuple[float, float]:
-    """(seconds to the first token, to the last byte) of a streamed completion."""
-    resp = _post(url, {**body, "stream": True})
-    first = None
-    for raw in resp:
-        line = raw.strip()
-        if first is None and line.startswith(b"data: {"):
-            first = time.perf_counter() - start
-    end = time.perf_counter() - start
-    resp.close()
-    if first is None:
-        raise RuntimeError(f"{url}: a stream without a token")
-    return first, end
-
-
 def one_request(path: str, urls: dict[str, str], model: str, prompt: list[int],
                 output_len: int) -> dict[str, float]:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
             "ignore_eos": True}
     start = time.perf_counter()
     if path == "router":
-        ttft, end = _stream(urls["router"], body, start)
-        return {"ttft": ttft, "e2e": end}
-    resp = _post(urls["prefill"], {**body, "max_tokens": 1,
+        chunks, end = stream_times(urls["router"], body, start)
+        return {"ttft": chunks[0], "e2e": end}
+    resp = post(urls["prefill"], {**body, "max_tokens": 1,
                                    "kv_transfer_params": PREFILL_PARAMS})
     params = json.loads(resp.read(1 << 20))["kv_transfer_params"]
     prefill = time.perf_counter() - start
-    ttft, end = _stream(urls["decode"], {**body, "kv_transfer_params": params}, start)
+    chunks, end = stream_times(urls["decode"], {**body, "kv_transfer_params": params}, start)
+    ttft = chunks[0]
     return {"ttft": ttft, "e2e": end, "prefill_http": prefill, "decode_ttft": ttft - prefill}
 
 

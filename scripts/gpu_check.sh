@@ -16,7 +16,10 @@
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else ./gpu-check-out)
 # Env:   PYTHON (python3), VENV (.venv-gpu), TORCH_SPEC, PIP_ARGS (e.g. offline:
-#        "--no-index --find-links /wheels"), BUDGET_S (480), ITERS (200)
+#        "--no-index --find-links /wheels"; default: that with ./.whl when it exists),
+#        BUDGET_S (560), ITERS (200). When PYTHON itself already has a CUDA torch (an
+#        image with PyTorch, no network), it is used as it is and only the missing pure
+#        packages (pyzmq, msgspec: carry their wheels in .whl) are installed into it.
 set -uo pipefail # no -e: every step reports, the summary says what failed
 
 cd "$(dirname "$0")/.." || exit 1
@@ -24,10 +27,14 @@ OUT_DIR=${1:-${OUT:-gpu-check-out}}
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv-gpu}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+if [ -z "${PIP_ARGS:-}" ] && [ -d .whl ]; then PIP_ARGS="--no-index --find-links .whl"; fi
 PIP_ARGS=${PIP_ARGS:-}
 BUDGET_S=${BUDGET_S:-560}
 ITERS=${ITERS:-200}
 PY="$VENV/bin/python"
+if "$PYTHON" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+    PY=$(command -v "$PYTHON")  # its CUDA torch as it is: a venv would not see it
+fi
 START=$SECONDS
 FAILED=0
 RESULTS=()
@@ -61,7 +68,8 @@ step() {
 # pip-install only what is missing: torch (CUDA) first and alone, then the extras
 setup() {
     set -e
-    [ -x "$PY" ] || "$PYTHON" -m venv --system-site-packages "$VENV"
+    [ -x "$PY" ] || [ "$PY" = "$(command -v "$PYTHON")" ] \
+        || "$PYTHON" -m venv --system-site-packages "$VENV"
     if ! "$PY" -c 'import torch, sys; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
         # shellcheck disable=SC2086  # PIP_ARGS is a list of flags
         "$PY" -m pip install -q $PIP_ARGS "$TORCH_SPEC"
@@ -135,6 +143,9 @@ TORCH_SPEC='$TORCH_SPEC' PIP_ARGS='$PIP_ARGS' setup" || {
     exit 1
 }
 step pytest-gpu 60 bash -c "$(declare -f gpu_tests); PY='$PY' gpu_tests"
+# pinned host memory sized exactly: host bytes == device pool bytes, torch's caching host
+# allocator untouched, and what torch's own pin_memory=True reserves for the same pool
+step pinned 60 "$PY" scripts/pinned_check.py --gib 3.2 --json "$OUT_DIR/pinned.json"
 step seed 90 "${BENCH[@]}" --num-layers 16 48 --blocks-per-request 6 --groups 1 2 3 6 \
     --direction both --iters "$ITERS" --json "$OUT_DIR/seed.json" --plot "$OUT_DIR/seed.png"
 step scattered 45 "${BENCH[@]}" --ids scattered --blocks-per-request 6 --groups 1 2 3 6 \
@@ -146,9 +157,12 @@ step op-counts 45 "${BENCH[@]}" --blocks-per-request 6 --groups 1 2 3 6 --op-cou
     --no-timing --json "$OUT_DIR/op_counts.json"
 step memory-gemma 45 "${BENCH[@]}" --preset gemma-3-1b --memory --no-timing --direction h2d \
     --json "$OUT_DIR/memory_gemma.json"
-step pipeline 120 "$PY" -m bench.transfer --pipeline --device cuda \
+if ! "$PY" -c 'import nixl_cu12' 2>/dev/null; then
+    RESULTS+=("pipeline: SKIPPED (no nixl-cu12: its wheel is over what a device call carries)")
+else step pipeline 120 "$PY" -m bench.transfer --pipeline --device cuda \
     --preset llama-3.1-8b --num-blocks 160 --sizes-mib 8 32 128 --iters 5 --markdown \
     --json "$OUT_DIR/pipeline.json" --plot "$OUT_DIR/pipeline.png"
+fi
 step summary 20 bash -c "$(declare -f summary); PY='$PY' OUT_DIR='$OUT_DIR' summary"
 
 echo "== steps ($((SECONDS - START))s of ${BUDGET_S}s)"

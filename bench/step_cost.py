@@ -1,0 +1,216 @@
+"""What KVStageConnector costs an instance per engine step, when it moves no KV at all.
+
+    .venv-vllm/bin/python -m bench.step_cost --out benchmarks/step-cost
+
+Arrangements (``--arrangements``), each a set of api_servers started together, all pinned
+to ONE core (``--core``, default the last; the client runs on the others), the tiny Llama,
+`TINY_CPU_ENGINE_ARGS`:
+- ``four``: plain, kvstage consumer, kvstage producer, vLLM's NIXL consumer (host path);
+- ``three``: plain and two kvstage consumers;
+- ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer.
+Every request is a plain one (no ``kv_transfer_params``: nothing is saved, READ or
+copied), so what differs between the servers is what the connector does on its own: its
+NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
+of one streamed request (``--input-len`` random ids, ``--output-len`` tokens) to each
+server in turn, one request in flight at a time, the order rotated every round, after two
+warm-up requests each. Per server: mean TTFT and ITL (the gaps between streamed tokens)
+and their ratio to the plain server's in the same arrangement; and the CPU time (utime +
+stime from ``/proc/<pid>/task/<tid>/stat``) every thread of its process group took over
+the measured rounds, summed by thread name, so the difference can be attributed.
+
+Writes ``<out>/step_cost.json`` and ``<out>/step_cost.md``; logs under ``<out>/logs``.
+Bad arguments: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.stream import stream_times
+from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
+from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
+from kvstage.serving.instances import Instance
+
+KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_role)
+    "plain": None,
+    "kvstage-consumer": ("kvstage", "kv_consumer"),
+    "kvstage-producer": ("kvstage", "kv_producer"),
+    "nixl-consumer": ("nixl", "kv_consumer"),
+}
+ARRANGEMENTS: dict[str, tuple[str, ...]] = {
+    "four": ("plain", "kvstage-consumer", "kvstage-producer", "nixl-consumer"),
+    "three": ("plain", "kvstage-consumer", "kvstage-consumer"),
+    "pair-consumer": ("plain", "kvstage-consumer"),
+    "pair-producer": ("plain", "kvstage-producer"),
+}
+VOCAB = 512
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="benchmarks/step-cost")
+    p.add_argument("--arrangements", default=",".join(ARRANGEMENTS),
+                   help=f"comma-separated, from {','.join(ARRANGEMENTS)}")
+    p.add_argument("--rounds", type=int, default=12)
+    p.add_argument("--input-len", type=int, default=100)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
+    p.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
+                   help="kv_connector_extra_config entry for the kvstage servers; repeatable")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    names = [n for n in a.arrangements.split(",") if n]
+    if not names or any(n not in ARRANGEMENTS for n in names):
+        p.error(f"--arrangements: expected names from {','.join(ARRANGEMENTS)}, "
+                f"got {a.arrangements!r}")
+    if a.core not in os.sched_getaffinity(0):
+        p.error(f"--core {a.core} is not one this process may use "
+                f"({sorted(os.sched_getaffinity(0))})")
+    if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
+        p.error("--rounds >= 1, --input-len in [1, 400], --output-len in [2, 100]")
+    extra: dict[str, Any] = {}
+    for item in a.kv_extra:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            p.error(f"--kv-extra expects KEY=JSON, got {item!r}")
+        try:
+            extra[key] = json.loads(value)
+        except ValueError:
+            extra[key] = value
+    a.arrangements, a.extra = names, extra
+    return a
+
+
+def thread_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds so far of every thread of process group ``pgid``, by thread name."""
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) != pgid:  # fields[2]: pgrp (the 5th field of stat)
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+                name = text[text.index("(") + 1:text.rindex(")")]
+                rest = text.rsplit(")", 1)[1].split()
+                out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / TICK
+        except (OSError, ValueError, IndexError):
+            continue  # a process or thread that ended while being read
+    return out
+
+
+def start_servers(kinds: tuple[str, ...], model: str, core: int, logs: Path,
+                  extra: dict[str, Any]) -> list[Instance]:
+    ports = free_ports(2 * len(kinds))
+    servers = []
+    for i, kind in enumerate(kinds):
+        spec = KINDS[kind]
+        kv = None if spec is None else connector_config(
+            spec[0], spec[1], device="cpu", policy="fail",
+            extra=extra if spec[0] == "kvstage" else None)
+        servers.append(api_server_instance(
+            f"{i}-{kind}", "single", model, port=ports[i], log_dir=logs,
+            engine_args=TINY_CPU_ENGINE_ARGS, kv_config=kv, device="cpu", cores=(core,),
+            side_channel_port=None if spec is None else ports[len(kinds) + i]))
+    for s in servers:
+        s.spawn()
+    for s in servers:
+        s.wait_ready(600.0)
+    return servers
+
+
+def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Namespace,
+            rng: np.random.Generator) -> list[dict[str, Any]]:
+    model = served_model(servers[0].url)
+
+    def request(url: str) -> tuple[float, list[float]]:
+        body = {"model": model, "prompt": rng.integers(4, VOCAB, size=args.input_len).tolist(),
+                "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
+        chunks, _ = stream_times(url, body, time.perf_counter())
+        return chunks[0], list(np.diff(chunks))
+
+    for s in servers:
+        for _ in range(2):
+            request(s.url)
+    cpu0 = [thread_cpu(s.pid) for s in servers]
+    ttft: list[list[float]] = [[] for _ in servers]
+    itl: list[list[float]] = [[] for _ in servers]
+    for r in range(args.rounds):
+        for k in range(len(servers)):
+            i = (k + r) % len(servers)
+            first, gaps = request(servers[i].url)
+            ttft[i].append(first)
+            itl[i].extend(gaps)
+    cpu1 = [thread_cpu(s.pid) for s in servers]
+    rows: list[dict[str, Any]] = []
+    for i, kind in enumerate(kinds):
+        used = {n: v - cpu0[i].get(n, 0.0) for n, v in cpu1[i].items()}
+        rows.append({"server": servers[i].name, "kind": kind,
+                     "ttft_ms": 1e3 * float(np.mean(ttft[i])),
+                     "itl_ms": 1e3 * float(np.mean(itl[i])),
+                     "cpu_s": round(sum(used.values()), 2),
+                     "cpu_by_thread": {n: round(v, 2) for n, v in
+                                       sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}})
+    plain_ttft, plain_itl = float(rows[0]["ttft_ms"]), float(rows[0]["itl_ms"])
+    for row in rows:
+        row["ttft_x"] = row["ttft_ms"] / plain_ttft
+        row["itl_x"] = row["itl_ms"] / plain_itl
+    return rows
+
+
+def table(name: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"#### {name}", "",
+             "| server | TTFT ms | x plain | ITL ms | x plain | CPU s | top threads (CPU s) |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        top = ", ".join(f"{n} {v:g}" for n, v in list(r["cpu_by_thread"].items())[:4])
+        lines.append(f"| {r['server']} | {r['ttft_ms']:.1f} | {r['ttft_x']:.3f} | "
+                     f"{r['itl_ms']:.2f} | {r['itl_x']:.3f} | {r['cpu_s']:.2f} | {top} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from kvstage.testing.tiny_llama import build_tiny_llama
+
+    model = str(build_tiny_llama(out / "models" / "tiny-llama"))
+    rng = np.random.default_rng(args.seed)
+    started = time.monotonic()
+    results: dict[str, list[dict[str, Any]]] = {}
+    # the client off the servers' core: its own CPU is not what is measured
+    others = os.sched_getaffinity(0) - {args.core}
+    if others:
+        os.sched_setaffinity(0, others)
+    for name in args.arrangements:
+        kinds = ARRANGEMENTS[name]
+        servers = start_servers(kinds, model, args.core, out / "logs" / name, args.extra)
+        try:
+            results[name] = measure(kinds, servers, args, rng)
+        finally:
+            for s in servers:
+                s.stop()
+        print(table(name, results[name]), flush=True)
+    text = "\n".join(table(n, rows) for n, rows in results.items())
+    meta = {"argv": sys.argv, "args": {k: v for k, v in vars(args).items()},
+            "wall_s": round(time.monotonic() - started)}
+    (out / "step_cost.json").write_text(json.dumps({"meta": meta, "results": results},
+                                                   indent=1))
+    (out / "step_cost.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
