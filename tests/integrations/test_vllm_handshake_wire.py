@@ -34,6 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (  # noqa
     NixlAgentMetadata,
 )
 
+from kvstage.errors import HandshakeTimeout  # noqa: E402
 from kvstage.integrations.vllm import secure_handshake, vllm_code  # noqa: E402
 from kvstage.integrations.vllm.secure_handshake import (  # noqa: E402
     HandshakeRefused,
@@ -127,6 +128,13 @@ def test_sealed_with_another_key_is_refused_saying_the_keys_differ(keyed: int) -
                        "message has a wrong MAC: the keys differ'"):
         SealedHandshake(b"w" * 32)(worker, "127.0.0.1", keyed, 1, "engine-p")
     assert worker.added == []
+
+
+def test_sealed_query_without_an_answer_says_where_within_vllms_bound() -> None:
+    port = free_ports(1)[0]  # nothing listens
+    with pytest.raises(HandshakeTimeout, match=rf"^no handshake answer from the prefill at "
+                       rf"127\.0\.0\.1:{port} within 5 s: is the prefill instance up"):
+        SealedHandshake(KEY)(StandInWorker(), "127.0.0.1", port, 1, "engine-p")
 
 
 def test_vllms_own_handshake_gets_the_refusal_as_a_hash_mismatch(keyed: int) -> None:

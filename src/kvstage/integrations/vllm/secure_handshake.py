@@ -45,6 +45,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlHandshakePaylo
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG
 from vllm.logger import init_logger
 
+from kvstage.errors import HandshakeTimeout
 from kvstage.integrations.vllm import vllm_code
 from kvstage.pd.auth import Authenticator
 from kvstage.pd.side_channel import SideChannelClient, SideChannelServer, send_raw
@@ -238,7 +239,13 @@ class _SealedReq:
         self._wire, self._nonce = self._auth.seal_bytes(bytes(data))
 
     def recv_multipart(self) -> list[bytes]:
-        frame = self._client.exchange(self._wire, timeout_s=self._timeout_s)
+        try:
+            frame = self._client.exchange(self._wire, timeout_s=self._timeout_s)
+        except HandshakeTimeout:
+            raise HandshakeTimeout(
+                f"no handshake answer from the prefill at {self._where} within "
+                f"{self._timeout_s or self._client.timeout_s:g} s: is the prefill instance "
+                "up, and its VLLM_NIXL_SIDE_CHANNEL_HOST/PORT reachable from here?") from None
         payload, remote_perf = open_reply(frame, self._auth, self._nonce, self._where)
         return [payload, msgspec.msgpack.encode(remote_perf)]
 
