@@ -1,7 +1,7 @@
 """kvstage's benchmark and soak programs: one home, outside the runtime package.
 
 Run each from the repository root as ``python -m bench.NAME ARGS``
-(``.venv-vllm/bin/python`` for the ``vllm_*``, ``serving`` and ``pd_time`` ones);
+(``.venv-vllm/bin/python`` for the ``vllm_*``, ``serving``, ``pd_time`` and ``step_cost`` ones);
 BENCHMARKS.md and RELIABILITY.md give the command behind every figure. The product's own
 copy bench stays ``kvstage bench copy`` (`kvstage.bench`, which these programs may import;
 nothing under src/ imports this folder).
@@ -17,7 +17,8 @@ Programs:
 - ``serving``: vLLM's load client against P/D deployments behind vllm-router.
 - ``pd_time``: where a 1P1D deployment's TTFT goes, phase by phase (router, queue,
   prefill, READ, h2d).
+- ``step_cost``: what the connector costs an instance per engine step when it moves no KV.
 
 Their parts: ``transfer_bench``, ``posting``, ``pipeline``, ``chunked`` (transfer);
-``workloads``, ``hostile``, ``soak_report`` (soak).
+``workloads``, ``hostile``, ``soak_report`` (soak); ``stream`` (pd_time, step_cost).
 """
