@@ -6,8 +6,9 @@ Gemma3 and a two-group ``KVCacheConfig``, real ``Request``/``SchedulerOutput``/m
   only that step's NEW blocks (clipped): the last chunk's entry lacks the first chunk's
   blocks, which is why kvstage saves once per prompt. kvstage's scheduler puts nothing for
   the first chunk and every block of the prompt, clipped as vLLM clips a transfer, for the
-  last; each save entry's ``local_physical_block_ids`` is its ``local_block_ids`` (the
-  checksum digests those, one kernel block per block).
+  last (vLLM's scheduler is not told to save it: it would keep a request whose last chunk
+  brings no new block); each save entry's ``local_physical_block_ids`` is its
+  ``local_block_ids`` (the checksum digests those, one kernel block per block).
 - Per request: the prefill's returned ``kv_transfer_params`` carry kvstage's versioned
   field, its lease end not after vLLM's own deadline; the decode's step metadata hands the
   decoded value to the worker in ``requests``, next to vLLM's ``reqs_to_recv`` entry built
@@ -109,6 +110,7 @@ def _saves(scheduler: NixlConnectorScheduler) -> list[dict[str, tuple[Any, Any]]
     chunk2 = ([5, 6, 7], [15, 16, 17])  # 64..99
     out = []
     meta = scheduler.build_connector_meta(_step([(req, chunk1)], [], {"p": 64}))
+    assert meta.reqs_in_batch == {"p"}  # vLLM tracks it for the lease all the same
     out.append({r: (m.local_block_ids, m.local_physical_block_ids)
                 for r, m in meta.reqs_to_save.items()})
     req.num_computed_tokens = 64

@@ -110,7 +110,16 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         rid = request.request_id
         if self.use_host_buffer and params.get("do_remote_decode"):
             self._kvstage_saving[rid] = (request, None)  # (re)scheduled: blocks follow
-        elif params.get("do_remote_prefill") and num_external_tokens > 0:
+            # vLLM's per-chunk saves are replaced (`_save_once`): its scheduler does not
+            # track the request for saving at all (it would keep a request whose last chunk
+            # brought no new block, as vLLM 0.32.0 does: nothing removes it then)
+            self.use_host_buffer = False
+            try:
+                super().update_state_after_alloc(request, blocks, num_external_tokens)
+            finally:
+                self.use_host_buffer = True
+            return
+        if params.get("do_remote_prefill") and num_external_tokens > 0:
             self._kvstage_recv[rid] = self._decode_params(rid, params)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -160,8 +169,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
     def _save_once(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
         """A request's blocks are saved once, after its prompt's last chunk: vLLM saves each
         step's new blocks (a block a chunk boundary cut would keep its first part's bytes
-        only). vLLM's per-chunk save entries are replaced: none for a partial prefill, the
-        whole prompt's blocks (clipped as vLLM clips a transfer) after the last chunk."""
+        only). Instead of vLLM's per-chunk save entries (it tracks none: see
+        ``update_state_after_alloc``): none for a partial prefill, the whole prompt's blocks
+        (clipped as vLLM clips a transfer) after the last chunk."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         assert num_scheduled is not None
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
@@ -169,7 +179,6 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             if entry is None:
                 continue
             req, groups = entry
-            meta.reqs_to_save.pop(req_id, None)
             if new_block_ids is not None:
                 if groups is None or resumed:  # a resumed request lists all its blocks
                     groups = [list(g) for g in new_block_ids]
