@@ -14,22 +14,19 @@ Tooling, outside the runtime package (the connector never reads it):
   ``source`` maps a module name to its text (`wheel_source`: a vLLM wheel read with
   ``zipfile``; `tree_source`: an unpacked tree such as an installed ``site-packages``). Never
   imports vLLM: a wheel for another platform (vLLM's CUDA wheel) is read the same way.
-- A description: a signature without annotations (``(self, vllm_config, role,
-  kv_cache_config)``; ``classmethod`` / ``property`` prefixed), ``attribute``, ``class``,
-  ``= <value>`` for an assignment, ``: <annotation>`` for a name only declared (vLLM binds
-  ``NixlWrapper`` in a module ``__getattr__``), or ``MISSING``. Annotations are left out on
-  purpose: vLLM rewrites them (``Optional[X]`` -> ``X | None``) without changing what a call
-  binds.
+- A description: a signature without annotations (vLLM rewrites those without changing
+  what a call binds; ``classmethod`` / ``property`` prefixed), ``attribute``, ``class``,
+  ``= <value>``, ``: <annotation>`` for a name only declared (``NixlWrapper``), or
+  ``MISSING``.
 
 Resolution follows ``from x import y`` (absolute and relative), ``y = x`` aliases at module
 level and class bases, depth-first over the bases in order (enough for vLLM's single
 inheritance chains); a name that cannot be resolved is ``MISSING``.
 
-Get a wheel without installing it with ``pip download --no-deps vllm==X.Y.Z -d DIR``. The
-output is the Python literal to paste into ``SURFACES`` in
-tests/integrations/test_vllm_surface.py once the new version has been checked (read what
-changed, run tests/system/vllm against it). ``--diff VERSION`` prints only the entries that
-differ from that recorded version. Exit 2 on bad input.
+Get a wheel with ``pip download --no-deps vllm==X.Y.Z -d DIR``. The output is the literal
+for ``SURFACES`` in tests/integrations/test_vllm_surface.py once the version has been checked
+(read what changed, run tests/system/vllm on it); ``--diff VERSION``: only what differs from
+that recorded version. Exit 2 on bad input.
 """
 
 from __future__ import annotations
