@@ -19,10 +19,7 @@ Tooling, outside the runtime package (the connector never reads it):
   ``= <value>``, ``: <annotation>`` for a name only declared (``NixlWrapper``), or
   ``MISSING``.
 
-Resolution follows ``from x import y`` (absolute and relative), ``y = x`` aliases at module
-level and class bases, depth-first over the bases in order (enough for vLLM's single
-inheritance chains); a name that cannot be resolved is ``MISSING``.
-
+Resolution follows imports, ``y = x`` aliases and class bases (depth-first); else MISSING.
 Get a wheel with ``pip download --no-deps vllm==X.Y.Z -d DIR``. The output is the literal
 for ``SURFACES`` in tests/integrations/test_vllm_surface.py once the version has been checked
 (read what changed, run tests/system/vllm on it); ``--diff VERSION``: only what differs from
