@@ -85,9 +85,9 @@ def test_no_second_implementation(module: str) -> None:
     assert "diff" not in attrs  # run-finding (np.diff of ids): plan.find_runs
     assert "hexdigest" not in attrs or module == "vllm_code.py"  # the pinned source digest
     assert "base_worker" not in names | attrs  # no swap of vLLM's handshake globals
-    # the digests' JSON form is pd.integrity's (request_params.py, in progress: to call it)
+    # the digests' JSON form is pd.integrity's (request_params.py calls to_params)
     literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
-    assert "xxh3_64" not in literals or module == "request_params.py"
+    assert "xxh3_64" not in literals
 
 
 def test_no_vllm_module_global_is_assigned() -> None:
