@@ -96,6 +96,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     ("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first", "name"),
     ("vllm.distributed.nixl_utils", "NixlWrapper", "name"),  # its module's nixlBind
     (f"{NIXL}.base_worker", "zmq_ctx", "name"),  # rebound in the sealed handshake's copy
+    (f"{NIXL}.base_scheduler", "zmq_ctx", "name"),  # rebound in the sealed listener's copy
     # KVStageConnectorScheduler(NixlConnectorScheduler): scheduler.py
     (NIXL, "NixlConnectorScheduler.__init__", "method"),
     (NIXL, "NixlConnectorScheduler.update_state_after_alloc", "method"),
