@@ -7,7 +7,10 @@ to ONE core (``--core``, default the last; the client runs on the others), the t
 `TINY_CPU_ENGINE_ARGS`:
 - ``four``: plain, kvstage consumer, kvstage producer, vLLM's NIXL consumer (host path);
 - ``three``: plain and two kvstage consumers;
-- ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer.
+- ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer;
+- ``control``: two plain servers (A/A: what two identical servers differ by on this box);
+- ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
+  (whose busy-polling progress thread takes a core's share in ``four``).
 Every request is a plain one (no ``kv_transfer_params``: nothing is saved, READ or
 copied), so what differs between the servers is what the connector does on its own: its
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
@@ -16,7 +19,9 @@ server in turn, one request in flight at a time, the order rotated every round, 
 warm-up requests each. Per server: mean TTFT and ITL (the gaps between streamed tokens)
 and their ratio to the plain server's in the same arrangement; and the CPU time (utime +
 stime from ``/proc/<pid>/task/<tid>/stat``) every thread of its process group took over
-the measured rounds, summed by thread name, so the difference can be attributed.
+the measured rounds, by thread (its name, and for threads other than a process's main
+one ``+N``, its id's offset from the process's: NIXL's and UCX's threads carry the
+process's name), so the difference can be attributed.
 
 Writes ``<out>/step_cost.json`` and ``<out>/step_cost.md``; logs under ``<out>/logs``.
 Bad arguments: one line, exit 2.
@@ -50,6 +55,8 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "three": ("plain", "kvstage-consumer", "kvstage-consumer"),
     "pair-consumer": ("plain", "kvstage-consumer"),
     "pair-producer": ("plain", "kvstage-producer"),
+    "control": ("plain", "plain"),  # A/A: the spread two identical servers show
+    "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
 }
 VOCAB = 512
 TICK = os.sysconf("SC_CLK_TCK")
@@ -103,6 +110,9 @@ def thread_cpu(pgid: int) -> dict[str, float]:
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     text = f.read()
                 name = text[text.index("(") + 1:text.rindex(")")]
+                # threads NIXL, UCX and torch start keep their process's name: told apart
+                # by their id's offset from the process's (creation order, stable)
+                name = name if tid == pid else f"{name}+{int(tid) - int(pid)}"
                 rest = text.rsplit(")", 1)[1].split()
                 out[name] = out.get(name, 0.0) + (int(rest[11]) + int(rest[12])) / TICK
         except (OSError, ValueError, IndexError):
