@@ -115,3 +115,70 @@ def test_worker_hook_fails_the_load_without_a_read(monkeypatch: pytest.MonkeyPat
     assert w._recv_failures == {"late"}
     assert entered == ["fresh", "old-prefill"]
     assert w.xfer_stats.data["num_kv_expired_reqs"] == [1]
+
+
+def test_heartbeat_extension_is_vllms_formula() -> None:
+    """vLLM's prefill moves a request's deadline to a heartbeat's arrival + its
+    ``_lease_extension``, set to ``kv_lease_duration * 2 // 3``: the formula `lease` relies
+    on, read from vLLM's source (a changed formula fails here, not in a served request)."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+
+    worker = base_worker.NixlBaseConnectorWorker if hasattr(
+        base_worker, "NixlBaseConnectorWorker") else base_worker.NixlConnectorWorker
+    init = inspect.getsource(worker.__init__)
+    assert "self._lease_extension = kv_lease_duration * 2 // 3" in init
+    handle = inspect.getsource(worker._handle_heartbeat)
+    assert "new_expiry = time.perf_counter() + self._lease_extension" in handle
+    assert "max(old, new_expiry)" in handle
+    assert [lease.heartbeat_extension_s(s) for s in (6, 30, 7.5)] == [4.0, 20.0, 5.0]
+
+
+def test_extended_counts_heartbeats_sent_with_more_than_the_margin_left() -> None:
+    # prefill clock = local + 100; stamped deadline 110 on the prefill's = 10 local
+    offset, margin, ext = 100.0, 3.0, 4.0
+    assert lease.extended(110.0, offset, [], ext, margin) == 110.0
+    # sent at local 5 (5 s left): it moves the deadline to 5 + 4 = 9 local, not past 10
+    assert lease.extended(110.0, offset, [5.0], ext, margin) == 110.0
+    # sent at 6.5 (3.5 s left): 6.5 + 4 = 10.5 local -> 110.5 on the prefill's clock
+    assert lease.extended(110.0, offset, [6.5], ext, margin) == 110.5
+    # sent at 7 (exactly the margin left): not counted; a chain counts each in turn
+    assert lease.extended(110.0, offset, [7.0], ext, margin) == 110.0
+    # 6.5 -> 10.5, 7.4 (3.1 s left) -> 11.4, 8.3 (3.1 s left) -> 12.3; 9.5 (2.8 s): no
+    assert lease.extended(110.0, offset, [9.5, 8.3, 6.5, 7.4], ext, margin) == \
+        pytest.approx(112.3)
+    # the READ at local 9.2: refused on the stamp alone, read with the heartbeats
+    assert lease.refusal(110.0, offset, 9.2, margin) is not None
+    assert lease.refusal(110.0, offset, 9.2, margin, [6.5, 7.4, 8.3], ext) is None
+    # an older prefill (no extension stamped): heartbeats do not count
+    assert lease.refusal(110.0, offset, 9.2, margin, [6.5, 7.4, 8.3], 0.0) is not None
+
+
+def test_worker_leases_count_heartbeats_of_handshaken_prefills_only() -> None:
+    w = lease.WorkerLeases(margin=3.0)
+    w.expect(SimpleNamespace(kvstage_leases={"a": 110.0, "b": 110.0},
+                             kvstage_lease_extensions={"a": 4.0, "b": 4.0}))
+    beat = {"P": SimpleNamespace(req_ids={"pa"}), "Q": SimpleNamespace(req_ids={"pb"})}
+    for t in (6.5, 7.4, 8.3):
+        w.heartbeats_sent(SimpleNamespace(heartbeat_by_engine=beat), {"P": 100.0}, now=t)
+    w.heartbeats_sent(SimpleNamespace(), {"P": 100.0}, now=9.5)  # a step without any
+
+    def meta(engine: str, rid: str) -> Any:
+        return SimpleNamespace(remote=SimpleNamespace(engine_id=engine, request_id=rid),
+                               local_physical_block_ids=[[1]])
+
+    offsets = {"P": 100.0, "Q": 100.0}
+    assert w.refusal("a", meta("P", "pa"), offsets, now=9.2) is None  # extended to 12.3
+    # Q was not handshaken when vLLM sent its beats: vLLM skipped them, so do we
+    assert w.refusal("b", meta("Q", "pb"), offsets, now=9.2) is not None
+
+
+def test_worker_leases_bound_what_they_keep() -> None:
+    w = lease.WorkerLeases(margin=3.0)
+    many = SimpleNamespace(req_ids={f"r{i}" for i in range(lease.MAX_TRACKED + 50)})
+    for t in range(lease.MAX_HEARTBEATS + 10):
+        w.heartbeats_sent(SimpleNamespace(heartbeat_by_engine={"P": many}), {"P": 0.0},
+                          now=float(t))
+    assert len(w._sent) <= lease.MAX_TRACKED
+    assert max(len(v) for v in w._sent.values()) == lease.MAX_HEARTBEATS

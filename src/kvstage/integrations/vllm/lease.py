@@ -31,6 +31,15 @@ Contract
   in ``kv_expired_reqs``): vLLM's ``kv_load_failure_policy`` applies (``fail``: an error;
   ``recompute``: computed locally). A value that is not a finite number is refused the same
   way, logged. No value (an older kvstage prefill): read as before.
+- Heartbeats (`WorkerLeases.heartbeats_sent`, after vLLM's ``start_load_kv`` sent the
+  step's): vLLM's decode heartbeats every prefill it waits on (once a heartbeat interval,
+  from the moment a request enters its scheduler), and the prefill moves the deadline to
+  the heartbeat's arrival + ``kv_lease_duration * 2 // 3``; the prefill stamps that
+  extension (``lease_extension_s`` of `request_params`) beside the deadline. A heartbeat
+  counts when it left with more than the margin to go (`extended`), the margin's own
+  assumption for a READ's start; without the extension (an older prefill), none counts.
+  Without this a slow link or a short lease refused READs whose blocks vLLM still held
+  (tests/system/vllm/test_serving_netns.py, the slow-link variant: 5 of 16 at a 6 s lease).
 - Margin: ``"kvstage_lease_margin_s"`` in ``kv_connector_extra_config`` (seconds, a finite
   number >= 0), by default this instance's heartbeat interval (``kv_lease_duration // 6``,
   the longest a request waits for its first heartbeat) + 2 s (the offset's error, the READ's
@@ -45,7 +54,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
 from vllm.logger import init_logger
@@ -56,6 +65,8 @@ logger = init_logger(f"vllm.{__name__}")
 
 EXPIRES_KEY = "kvstage_lease_expires"
 MARGIN_KEY = "kvstage_lease_margin_s"
+MAX_HEARTBEATS = 64  # send times kept per request (one per heartbeat interval, >= 1 s)
+MAX_TRACKED = 4096  # requests whose heartbeats are kept (more than a decode's queue)
 
 
 def _number(value: Any) -> float | None:
@@ -83,13 +94,37 @@ def collect(reqs_need_recv: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def refusal(value: Any, clock_offset: float, now: float, margin: float) -> str | None:
+def heartbeat_extension_s(lease_s: float) -> float:
+    """How far a heartbeat moves a request's deadline on vLLM's prefill: to its arrival +
+    ``kv_lease_duration * 2 // 3`` (``NixlConnectorWorker._handle_heartbeat``, vLLM 0.32.0
+    and 0.33.0; test_vllm_lease pins the formula in vLLM's source)."""
+    return float(lease_s * 2 // 3)
+
+
+def extended(expires: float, clock_offset: float, sent: Sequence[float],
+             extension_s: float, margin: float) -> float:
+    """The prefill's deadline (its clock) once the decode's heartbeats sent at ``sent``
+    (local clock) count. One sent with more than ``margin`` of the lease left reached the
+    prefill while it still held the blocks (what the margin assumes of a READ's start) and
+    moved the deadline to at least its send time + ``extension_s`` (vLLM extends from the
+    arrival, later than the send; ``t + offset`` maps the send onto the prefill's clock and
+    `time_left` maps it back, so the offset's error cancels)."""
+    for t in sorted(sent):
+        if pd_lease.time_left(expires, clock_offset, t) > margin:
+            expires = max(expires, t + clock_offset + extension_s)
+    return expires
+
+
+def refusal(value: Any, clock_offset: float, now: float, margin: float,
+            sent: Sequence[float] = (), extension_s: float = 0.0) -> str | None:
     """Why a READ must not start (a sentence), or None to read: `kvstage.pd.lease`'s
-    decision on the stamped deadline, as vLLM's handshake offset maps it."""
+    decision on the stamped deadline, as vLLM's handshake offset maps it, extended by the
+    heartbeats sent for the request (`extended`)."""
     expires = _number(value)
     if expires is None:
         return (f"its kv_transfer_params carry {EXPIRES_KEY}={value!r}, not a number of "
                 "seconds; the prefill's blocks may be anyone's")
+    expires = extended(expires, clock_offset, sent, extension_s, margin)
     return pd_lease.read_refusal(pd_lease.time_left(expires, clock_offset, now), margin,
                                  margin_name=MARGIN_KEY)
 
@@ -100,9 +135,30 @@ class WorkerLeases:
     def __init__(self, margin: float) -> None:
         self.margin = margin
         self._expires: dict[str, Any] = {}  # request id -> params value
+        self._extension: dict[str, float] = {}  # request id -> its prefill's extension
+        self._sent: dict[str, list[float]] = {}  # prefill's request id -> heartbeats sent
 
     def expect(self, metadata: Any) -> None:
         self._expires.update(getattr(metadata, "kvstage_leases", {}))
+        self._extension.update(getattr(metadata, "kvstage_lease_extensions", {}))
+
+    def heartbeats_sent(self, metadata: Any, handshaken: Container[str],
+                        now: float | None = None) -> None:
+        """Record the heartbeats vLLM's worker sent this step (``heartbeat_by_engine`` of
+        the step's metadata: prefill engine -> its request ids; vLLM sends them at the end
+        of ``start_load_kv``, to prefills already handshaken only)."""
+        by_engine = getattr(metadata, "heartbeat_by_engine", None) or {}
+        t = time.perf_counter() if now is None else now
+        for engine_id, info in by_engine.items():
+            if engine_id not in handshaken:
+                continue
+            for rid in list(getattr(info, "req_ids", ()))[:MAX_TRACKED]:
+                sent = self._sent.setdefault(rid, [])
+                if len(sent) < MAX_HEARTBEATS:
+                    sent.append(t)
+        if len(self._sent) > MAX_TRACKED:  # requests that never reached a READ here
+            for rid in list(self._sent)[:len(self._sent) - MAX_TRACKED]:
+                del self._sent[rid]
 
     def refusal(self, req_id: str, meta: Any, clock_offsets: Mapping[str, float],
                 now: float | None = None) -> str | None:
@@ -116,13 +172,15 @@ class WorkerLeases:
         if offset is None:
             return None  # not handshaken (vLLM's path handshakes, then calls again)
         value = self._expires.pop(req_id)
+        sent = self._sent.pop(str(getattr(meta.remote, "request_id", "")), [])
         return refusal(value, offset, time.perf_counter() if now is None else now,
-                       self.margin)
+                       self.margin, sent, self._extension.pop(req_id, 0.0))
 
     def prune(self, alive: Container[str]) -> None:
         """Forget requests that are no longer being received."""
         for rid in [r for r in self._expires if r not in alive]:
             del self._expires[rid]
+            self._extension.pop(rid, None)
 
     @staticmethod
     def log(req_id: str, engine_id: str, why: str) -> None:
