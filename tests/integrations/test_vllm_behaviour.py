@@ -148,7 +148,8 @@ def test_params_carry_one_versioned_field_and_reach_the_worker(configs: Any) -> 
     delay, params = prefill.request_finished(req, ([1, 2, 3], [4, 5, 6]))
     after = time.perf_counter()
     assert delay and params is not None
-    assert set(params["kvstage"]) == {"v", "lease_expires"} and params["kvstage"]["v"] == 1
+    assert set(params["kvstage"]) == {"v", "lease_expires", "lease_extension_s"}
+    assert params["kvstage"]["v"] == 1 and params["kvstage"]["lease_extension_s"] == 20.0
     assert before + 30 <= params["kvstage"]["lease_expires"] <= after + 30
     assert "kvstage_lease_expires" not in params
     assert params["remote_block_ids"] == ([1, 2, 3], [4, 5, 6])  # vLLM's, unchanged
@@ -162,8 +163,9 @@ def test_params_carry_one_versioned_field_and_reach_the_worker(configs: Any) -> 
     meta = decode.build_connector_meta(SchedulerOutput.make_empty())
     assert isinstance(meta, KVStageConnectorMetadata)
     assert meta.requests == {"d": RequestParams(
-        lease_expires=params["kvstage"]["lease_expires"])}
+        lease_expires=params["kvstage"]["lease_expires"], lease_extension_s=20.0)}
     assert meta.kvstage_leases == {"d": params["kvstage"]["lease_expires"]}
+    assert meta.kvstage_lease_extensions == {"d": 20.0}
     recv = meta.reqs_to_recv["d"]  # vLLM's own entry, from the same params
     assert recv.local_block_ids == ([21, 22, 23], [24, 25, 26])
     assert recv.remote is not None and recv.remote.engine_id == "engine-p"

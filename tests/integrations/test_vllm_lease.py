@@ -1,7 +1,7 @@
 """`integrations.vllm.lease`, exactly (the real-engine proof is
 tests/system/vllm/test_serving_lease.py; the margin's default and refusals: test_vllm_config), the
 decision for an expired lease, one inside the margin, one outside it, an absent value and
-garbage, the prefill's stamp, the scheduler's hand-over, and the worker hook that fails the
+garbage, the prefill's stamp, the heartbeats that extend it, and the worker hook that fails the
 load without starting a READ."""
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def test_stamp_only_on_params_handed_to_a_decode() -> None:
     params: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]]}
     lease.stamp(params, True, 100.25, 6)
     assert params["kvstage_lease_expires"] == 106.25
+    assert params["kvstage_lease_extension_s"] == 4.0  # 6 * 2 // 3, as vLLM extends
     assert json.loads(json.dumps(params))["kvstage_lease_expires"] == 106.25  # routers parse
     not_held: dict[str, Any] = {"do_remote_prefill": True}
     lease.stamp(not_held, False, 100.0, 6)  # no blocks held: nothing to expire
@@ -52,20 +53,6 @@ def test_stamp_only_on_params_handed_to_a_decode() -> None:
     lease.stamp(None, True, 100.0, 6)
     assert "kvstage_lease_expires" not in not_held
     assert "kvstage_lease_expires" not in decode_side
-
-
-def _entry(params: dict[str, Any] | None) -> tuple[Any, list[int]]:
-    return SimpleNamespace(kv_transfer_params=params), []
-
-
-def test_collect_takes_the_values_present_garbage_included() -> None:
-    got = lease.collect({
-        "a": _entry({"kvstage_lease_expires": 5.5}),
-        "b": _entry({"do_remote_prefill": True}),  # an older kvstage prefill
-        "c": _entry(None),
-        "d": _entry({"kvstage_lease_expires": "soon"}),
-    })
-    assert got == {"a": 5.5, "d": "soon"}
 
 
 def _meta(engine: str, local: list[list[int]]) -> Any:

@@ -23,16 +23,22 @@ def test_wire_form_and_round_trip() -> None:
     assert RequestParams().encode() == {"v": 1}
     assert rp.decode(None) == RequestParams()
     assert rp.decode({"v": 1, "lease_expires": 3}) == RequestParams(lease_expires=3.0)
+    both = RequestParams(lease_expires=3.0, lease_extension_s=4.0)
+    assert both.encode() == {"v": 1, "lease_expires": 3.0, "lease_extension_s": 4.0}
+    assert rp.decode(both.encode()) == both
 
 
 def test_pack_moves_the_feature_keys_into_one() -> None:
-    params: dict[str, Any] = {"do_remote_prefill": True, "kvstage_lease_expires": 9.0}
+    params: dict[str, Any] = {"do_remote_prefill": True, "kvstage_lease_expires": 9.0,
+                              "kvstage_lease_extension_s": 4.0}
     rp.pack(params)
-    assert params == {"do_remote_prefill": True, "kvstage": {"v": 1, "lease_expires": 9.0}}
+    assert params == {"do_remote_prefill": True, "kvstage": {
+        "v": 1, "lease_expires": 9.0, "lease_extension_s": 4.0}}
     params["kvstage_checksums"] = {"xxh3_64": {"3": "00000000000000ff"}}  # filled later
     rp.pack(params)
     assert params == {"do_remote_prefill": True, "kvstage": {
-        "v": 1, "lease_expires": 9.0, "checksums": {"xxh3_64": {"3": "00000000000000ff"}}}}
+        "v": 1, "lease_expires": 9.0, "lease_extension_s": 4.0,
+        "checksums": {"xxh3_64": {"3": "00000000000000ff"}}}}
     untouched: dict[str, Any] = {"do_remote_prefill": True}
     rp.pack(untouched)
     rp.pack(None)
@@ -45,7 +51,10 @@ def test_pack_moves_the_feature_keys_into_one() -> None:
                "kvstage protocol 1; run one kvstage version on both instances)"),
     ({"lease_expires": 1.0}, "kv_transfer_params['kvstage'] v=None: expected version 1"),
     ({"v": 1, "extra": 1}, "kv_transfer_params['kvstage'] extra=1: expected one of v, "
-                           "lease_expires, checksums"),
+                           "lease_expires, lease_extension_s, checksums"),
+    ({"v": 1, "lease_extension_s": -1}, "lease_extension_s=-1: expected a finite number of "
+                                        "seconds >= 0"),
+    ({"v": 1, "lease_extension_s": math.inf}, "lease_extension_s=inf: expected a finite"),
     ({"v": 1, "lease_expires": "9"}, "lease_expires='9': expected a finite number"),
     ({"v": 1, "lease_expires": math.nan}, "lease_expires=nan: expected a finite number"),
     ({"v": 1, "lease_expires": True}, "lease_expires=True: expected a finite number"),

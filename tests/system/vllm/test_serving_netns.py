@@ -246,8 +246,8 @@ def _qdisc_bytes(ns: str, dev: str) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(os.environ.get("KVSTAGE_LONG") != "1",
-                    reason="long suite: set KVSTAGE_LONG=1 (`make test-long`)")
+@pytest.mark.skipif(os.environ.get("KVSTAGE_LONG_SERVING") != "1",
+                    reason="long serving test: KVSTAGE_LONG_SERVING=1")
 def test_two_hosts_slow_link(tmp_path: Path) -> None:
     """The same two hosts over a slow link: a token bucket (tc tbf) of 8 Mbit/s on both
     ends of the veth (the KV of 8 prompts takes over a second on the wire; netem, for
@@ -290,10 +290,13 @@ def test_two_hosts_slow_link(tmp_path: Path) -> None:
         finally:
             _stop(procs)
     decode_log = (tmp_path / "d" / "decode0.log").read_text(errors="replace")
+    errors = [line for name in ("p/prefill0.log", "d/decode0.log")
+              for line in (tmp_path / name).read_text(errors="replace").splitlines()
+              if " ERROR " in line or "Error" in line][:20]
     for got in rounds:
         failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
                   if not r["ok"]]
-        assert not failed, failed
+        assert not failed, (failed, errors)
         wrong = [n for n, r, e in zip(PROMPT_LENS, got, reference, strict=True)
                  if r["ids"] != e]
         assert wrong == [], f"prompts of {wrong} tokens differ from the single engine"

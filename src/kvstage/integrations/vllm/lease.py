@@ -18,8 +18,8 @@ Contract
   scheduler process's ``time.perf_counter`` seconds, taken BEFORE vLLM stamps its own
   deadline (so it is never later than vLLM's; the prefill worker's deadline, rebased by
   vLLM, and heartbeats only make the hold longer).
-- Decode scheduler (`collect`): hands each request's value to its worker in the connector
-  metadata (``kvstage_leases`` attribute).
+- Decode scheduler: hands each request's values to its worker in the connector metadata
+  (`request_params`, read here as ``kvstage_leases`` and ``kvstage_lease_extensions``).
 - Decode worker (`WorkerLeases.refusal`, called in ``_read_blocks_for_req`` once the
   prefill is handshaken, so also for requests queued behind a handshake): the deadline on
   the local clock is ``value - clock offset``, the offset being vLLM's handshake estimate
@@ -64,6 +64,7 @@ from kvstage.pd import lease as pd_lease
 logger = init_logger(f"vllm.{__name__}")
 
 EXPIRES_KEY = "kvstage_lease_expires"
+EXTENSION_KEY = "kvstage_lease_extension_s"
 MARGIN_KEY = "kvstage_lease_margin_s"
 MAX_HEARTBEATS = 64  # send times kept per request (one per heartbeat interval, >= 1 s)
 MAX_TRACKED = 4096  # requests whose heartbeats are kept (more than a decode's queue)
@@ -81,17 +82,7 @@ def stamp(params: dict[str, Any] | None, delay_free: bool, started: float,
     """Prefill: add the lease's end to the params handed to a decode (in place)."""
     if params is not None and delay_free and params.get("do_remote_prefill"):
         params[EXPIRES_KEY] = started + lease_s
-
-
-def collect(reqs_need_recv: Mapping[str, Any]) -> dict[str, Any]:
-    """Decode scheduler: request id -> its params' value, for the requests that carry one
-    (before vLLM builds the step's metadata: it clears the map)."""
-    out: dict[str, Any] = {}
-    for rid, entry in reqs_need_recv.items():
-        params = entry[0].kv_transfer_params or {}
-        if EXPIRES_KEY in params:
-            out[rid] = params[EXPIRES_KEY]
-    return out
+        params[EXTENSION_KEY] = heartbeat_extension_s(lease_s)
 
 
 def heartbeat_extension_s(lease_s: float) -> float:

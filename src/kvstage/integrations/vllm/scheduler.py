@@ -42,7 +42,8 @@ logger = init_logger(f"vllm.{__name__}")
 class KVStageConnectorMetadata(NixlConnectorMetadata):
     """vLLM's NIXL metadata of one step plus kvstage's per-request fields, one typed field
     (``requests``) instead of attributes set on vLLM's object. The views the worker pieces
-    read (``kvstage_leases``, ``kvstage_checksums``) derive from it."""
+    read (``kvstage_leases``, ``kvstage_lease_extensions``, ``kvstage_checksums``) derive
+    from it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -61,6 +62,11 @@ class KVStageConnectorMetadata(NixlConnectorMetadata):
     def kvstage_leases(self) -> dict[str, float]:
         return {r: p.lease_expires for r, p in self.requests.items()
                 if p.lease_expires is not None}
+
+    @property
+    def kvstage_lease_extensions(self) -> dict[str, float]:
+        return {r: p.lease_extension_s for r, p in self.requests.items()
+                if p.lease_extension_s is not None}
 
     @property
     def kvstage_checksums(self) -> dict[str, Any]:

@@ -135,6 +135,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self._kvstage_checksums.expect(metadata)
         self._kvstage_leases.expect(metadata)
         super().start_load_kv(metadata)
+        # vLLM sent this step's heartbeats (to handshaken prefills) as its last act
+        self._kvstage_leases.heartbeats_sent(metadata, self._engine_clock_offset)
 
     def take_failed(self, finished_recving: set[str]) -> set[str]:
         """The checksum failures to report as failed loads; forgets what finished."""
