@@ -9,8 +9,9 @@ that size; not a power of two), reports and asserts:
   ``allocated_bytes`` / ``reserved_bytes`` unchanged);
 - the connector's mirror buffers (`mirror_host_buffers`) of a device pool of the same bytes:
   pinned, ``host_nbytes`` equal to the device's, the caching allocator untouched;
-- for comparison, ``torch.empty(pool_bytes, pin_memory=True)``: what the caching host
-  allocator reserves for it (its next power of two, vLLM issue 46278);
+- for comparison, ``torch.empty(pool_bytes, pin_memory=True)``: how much resident memory
+  it adds (the caching host allocator reserves the next power of two, vLLM issue 46278);
+  resident memory (``VmRSS``) is read for both, as pinned pages are resident;
 - each allocation's wall time (pinning is page-locking: it costs time at start-up).
 Exit 1 when an assertion fails; needs CUDA (exit 2 in one line otherwise).
 """
@@ -31,8 +32,19 @@ from kvstage.presets import preset
 
 
 def host_stats() -> dict[str, int]:
+    """PyTorch's caching host allocator's counters (empty where this torch keeps none)."""
     s = torch.cuda.host_memory_stats()
-    return {k: int(s.get(f"{k}.all.current", 0)) for k in ("allocated_bytes", "reserved_bytes")}
+    return {k: int(v) for k, v in s.items() if k.endswith("bytes.all.current")
+            or k.endswith("bytes.current")}
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (pinned pages are resident), from /proc."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,22 +58,28 @@ def main(argv: list[str] | None = None) -> int:
         print("pinned_check: needs a CUDA device (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
-    block_bytes = preset("gemma-3-1b", num_blocks=1).pool_bytes
+    block_bytes = preset("gemma-3-1b", num_blocks=2).block_bytes
     layout = preset("gemma-3-1b", num_blocks=max(1, int(a.gib * (1 << 30)) // block_bytes))
     n = layout.pool_bytes
     out: dict[str, object] = {"pool_bytes": n, "num_blocks": layout.num_blocks,
                               "torch": torch.__version__, "device": torch.cuda.get_device_name()}
     ok = True
+    torch.zeros(1, device="cuda")  # the CUDA context first: its own resident memory (~100 MB)
+    torch.cuda.synchronize()
 
-    before = host_stats()
+    before, rss0 = host_stats(), rss_bytes()
     t0 = time.perf_counter()
     buf = HostBuffer.for_device(layout, "cuda")
     out["kvstage_s"] = time.perf_counter() - t0
     after = host_stats()
+    kvstage_rss = rss_bytes() - rss0
+    out["kvstage_rss_delta"] = kvstage_rss
     got = buf.storage.untyped_storage().nbytes()
     out["kvstage_bytes"], out["kvstage_pinned"] = got, buf.storage.is_pinned()
-    out["kvstage_caching_delta"] = {k: after[k] - before[k] for k in after}
-    ok &= got == n and buf.storage.is_pinned() and after == before
+    out["kvstage_caching_delta"] = {k: after[k] - before.get(k, 0) for k in after}
+    # resident: the pool's pages and no more (64 MiB of slack for the process's other use)
+    ok &= got == n and buf.storage.is_pinned() and after == before \
+        and abs(kvstage_rss - n) < 64 << 20
     del buf
 
     device = {"kv": torch.zeros(n, dtype=torch.uint8, device="cuda")}
@@ -72,28 +90,29 @@ def main(argv: list[str] | None = None) -> int:
     out["mirror_s"] = time.perf_counter() - t0
     after = host_stats()
     out["mirror_bytes"] = host_nbytes(host)
-    out["mirror_caching_delta"] = {k: after[k] - before[k] for k in after}
+    out["mirror_caching_delta"] = {k: after[k] - before.get(k, 0) for k in after}
     ok &= host_nbytes(host) == n and all(t.is_pinned() for t in host.values()) \
         and after == before
     del host, device
     torch.cuda.empty_cache()
 
-    before = host_stats()
+    rss0 = rss_bytes()
     t0 = time.perf_counter()
     plain = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     out["torch_s"] = time.perf_counter() - t0
-    after = host_stats()
-    out["torch_reserved_delta"] = after["reserved_bytes"] - before["reserved_bytes"]
+    torch_rss = rss_bytes() - rss0
+    out["torch_rss_delta"] = torch_rss
     out["torch_expected_reserved"] = caching_pinned_bytes(n)
     del plain
 
     print(f"pool {n} B ({n / (1 << 30):.3f} GiB, {layout.num_blocks} blocks of gemma-3-1b)")
     print(f"kvstage HostBuffer:  {out['kvstage_bytes']} B pinned={out['kvstage_pinned']} "
-          f"caching allocator delta {out['kvstage_caching_delta']} in {out['kvstage_s']:.3f} s")
+          f"resident +{out['kvstage_rss_delta']} B, caching allocator delta "
+          f"{out['kvstage_caching_delta']} in {out['kvstage_s']:.3f} s")
     print(f"connector mirrors:   {out['mirror_bytes']} B "
           f"caching allocator delta {out['mirror_caching_delta']} in {out['mirror_s']:.3f} s")
-    print(f"torch pin_memory:    reserved {out['torch_reserved_delta']} B "
-          f"(+{out['torch_reserved_delta'] - n} B over the pool; power of two: "
+    print(f"torch pin_memory:    resident +{torch_rss} B "
+          f"({torch_rss - n:+d} B vs the pool; its power of two: "
           f"{out['torch_expected_reserved']}) in {out['torch_s']:.3f} s")
     print("OK: host bytes == device pool bytes, exactly" if ok else "FAILED")
     if a.json:

@@ -17,6 +17,7 @@ Contract
   storage keeps alive). Needs CUDA: ValueError in one line otherwise.
 - `caching_pinned_bytes(nbytes)`: what PyTorch's caching host allocator reserves for a
   request of ``nbytes`` (the next power of two), for reports and checks.
+- `live_pinned_bytes()`: the bytes of this process's `pinned_bytes` allocations alive.
 
 CUDA is reached only through ``torch.cuda`` inside these functions: importing this module
 never initializes CUDA. Thread rules: none (no state besides the finalizers).
@@ -38,7 +39,17 @@ def caching_pinned_bytes(nbytes: int) -> int:
     return 1 << max(0, (nbytes - 1).bit_length())
 
 
+#: address -> bytes of every page-locked allocation of this process still alive
+_LIVE: dict[int, int] = {}
+
+
+def live_pinned_bytes() -> int:
+    """Bytes kvstage holds page-locked right now (`pinned_bytes` allocations alive)."""
+    return sum(_LIVE.values())
+
+
 def _unregister(ptr: int) -> None:
+    _LIVE.pop(ptr, None)
     # at interpreter exit CUDA may already be unloading: nothing is left to release then
     if torch.cuda.is_initialized():
         torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -59,5 +70,6 @@ def pinned_bytes(nbytes: int) -> torch.Tensor:
     if err != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} host bytes failed with CUDA error "
                            f"{err}; check the locked-memory limit (ulimit -l) and free RAM")
+    _LIVE[ptr] = nbytes
     weakref.finalize(array, _unregister, ptr)
     return torch.from_numpy(array)

@@ -97,6 +97,11 @@ def vllm_loop(src: Caches, dst: Caches, src_ids: list[int], dst_ids: list[int],
     ``[:, idx]`` bodies of the 5-D layouts)."""
     if not src or not dst or not src_ids or not dst_ids or len(src_ids) != len(dst_ids):
         return
+    if next(iter(dst.values())).device.type == "cuda":
+        # CUDA's index_put leaves a repeated destination's winner unspecified (H200: not
+        # the last pair): the oracle takes the pair vLLM's CPU loop keeps, the last one
+        last = {d: s for s, d in zip(src_ids, dst_ids, strict=True)}
+        src_ids, dst_ids = list(last.values()), list(last)
     s_idx = torch.tensor(src_ids, device=next(iter(src.values())).device, dtype=torch.int64)
     d_idx = torch.tensor(dst_ids, device=next(iter(dst.values())).device, dtype=torch.int64)
     lead = (slice(None),) * block_dim
