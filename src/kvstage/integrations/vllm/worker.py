@@ -119,6 +119,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     # logical ids, two index spaces once a block is split; state.py); the opt-in checksum
     # (checksums.py) digests after the save and verifies before the h2d
     def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
+        if not metadata.reqs_to_save:
+            return  # vLLM calls this every step; most steps save nothing
         with gpu_sync_allowed():  # synchronous, as vLLM's
             copy_logical(self, "d2h", [[b for g in m.local_block_ids for b in g]
                                        for m in metadata.reqs_to_save.values()])
