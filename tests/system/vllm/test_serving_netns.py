@@ -251,8 +251,9 @@ def _qdisc_bytes(ns: str, dev: str) -> int:
 def test_two_hosts_slow_link(tmp_path: Path) -> None:
     """The same two hosts over a slow link: a token bucket (tc tbf) of 8 Mbit/s on both
     ends of the veth (the KV of 8 prompts takes over a second on the wire; netem, for
-    delay, is not in every kernel: not in this VM's), a 6 s lease (vLLM's decode heartbeats
-    every second) and the checksum on. Two rounds of 8 prompts at once: every request
+    delay, is not in every kernel: not in this VM's), a 10 s lease (a third of vLLM's
+    default; the decode heartbeats every second, the READ needs more than the 3 s margin
+    left) and the checksum on. Two rounds of 8 prompts at once: every request
     completes with the single engine's tokens, its bytes verified, and no READ is refused
     for a lease near its end."""
     why = netns_unavailable()
@@ -278,7 +279,7 @@ def test_two_hosts_slow_link(tmp_path: Path) -> None:
                 subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev,
                                 "root", "tbf", "rate", "8mbit", "burst", "16kb", "latency",
                                 "2s"], check=True, timeout=30, capture_output=True)
-            _start_hosts(procs, tmp_path, model, key, "--kv-extra", "kv_lease_duration=6",
+            _start_hosts(procs, tmp_path, model, key, "--kv-extra", "kv_lease_duration=10",
                          "--kv-extra", "kvstage_verify_checksum=true")
             prompts = tmp_path / "prompts.json"
             prompts.write_text(json.dumps(PROMPTS))
