@@ -47,16 +47,14 @@ import numpy as np
 
 from bench.stream import post, stream_times
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, metric_total, served_model
+from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
+from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
 
-PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False,
-                  "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
-                  "remote_port": None}
 P_HIST = ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
           "vllm:request_prefill_time_seconds")
 D_HIST = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
           "vllm:request_prefill_time_seconds", "vllm:nixl_xfer_time_seconds",
           "vllm:kvstage_h2d_time_seconds")
-VOCAB = 512  # the tiny models' word-level tokenizer
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +96,7 @@ def one_request(path: str, urls: dict[str, str], model: str, prompt: list[int],
         chunks, end = stream_times(urls["router"], body, start)
         return {"ttft": chunks[0], "e2e": end}
     resp = post(urls["prefill"], {**body, "max_tokens": 1,
-                                   "kv_transfer_params": PREFILL_PARAMS})
+                                   "kv_transfer_params": PREFILL_REQUEST_PARAMS})
     params = json.loads(resp.read(1 << 20))["kv_transfer_params"]
     prefill = time.perf_counter() - start
     chunks, end = stream_times(urls["decode"], {**body, "kv_transfer_params": params}, start)
@@ -118,7 +116,7 @@ def delta_means(before: dict[str, tuple[float, float]],
 
 def run_point(urls: dict[str, str], model: str, conc: int, args: argparse.Namespace,
               rng: np.random.Generator) -> dict[str, Any]:
-    prompts = [rng.integers(4, VOCAB, size=args.input_len).tolist()
+    prompts = [rng.integers(4, VOCAB_SIZE, size=args.input_len).tolist()
                for _ in range(args.requests)]
     paths = ["router" if i % 2 == 0 else "direct" for i in range(args.requests)]
     p0, d0 = histograms(urls["prefill"], P_HIST), histograms(urls["decode"], D_HIST)
@@ -187,9 +185,9 @@ def table(name: str, point: dict[str, Any], first: dict[str, float] | None) -> s
 def measure(name: str, urls: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     model = served_model(urls["router"])
     rng = np.random.default_rng(args.seed)
-    first = one_request("router", urls, model, rng.integers(4, VOCAB, size=args.input_len)
+    first = one_request("router", urls, model, rng.integers(4, VOCAB_SIZE, size=args.input_len)
                         .tolist(), args.output_len)
-    one_request("direct", urls, model, rng.integers(4, VOCAB, size=args.input_len).tolist(),
+    one_request("direct", urls, model, rng.integers(4, VOCAB_SIZE, size=args.input_len).tolist(),
                 args.output_len)  # warm the direct path too
     points = [run_point(urls, model, c, args, rng) for c in args.concurrency]
     return {"name": name, "first": first, "points": points}

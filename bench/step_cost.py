@@ -40,9 +40,11 @@ from typing import Any
 import numpy as np
 
 from bench.stream import stream_times
+from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
 from kvstage.serving.instances import Instance
+from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 
 KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_role)
     "plain": None,
@@ -58,7 +60,6 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
 }
-VOCAB = 512
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -71,8 +72,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
-    p.add_argument("--kv-extra", action="append", default=[], metavar="KEY=JSON",
-                   help="kv_connector_extra_config entry for the kvstage servers; repeatable")
+    p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
+                   metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
+                   "servers (VALUE read as JSON if it parses, as serve-pd's); repeatable")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     names = [n for n in a.arrangements.split(",") if n]
@@ -84,15 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 f"({sorted(os.sched_getaffinity(0))})")
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
         p.error("--rounds >= 1, --input-len in [1, 400], --output-len in [2, 100]")
-    extra: dict[str, Any] = {}
-    for item in a.kv_extra:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            p.error(f"--kv-extra expects KEY=JSON, got {item!r}")
-        try:
-            extra[key] = json.loads(value)
-        except ValueError:
-            extra[key] = value
+    extra: dict[str, Any] = dict(a.kv_extra)
     a.arrangements, a.extra = names, extra
     return a
 
@@ -145,7 +139,7 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
     model = served_model(servers[0].url)
 
     def request(url: str) -> tuple[float, list[float]]:
-        body = {"model": model, "prompt": rng.integers(4, VOCAB, size=args.input_len).tolist(),
+        body = {"model": model, "prompt": rng.integers(4, VOCAB_SIZE, size=args.input_len).tolist(),
                 "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
         chunks, _ = stream_times(url, body, time.perf_counter())
         return chunks[0], list(np.diff(chunks))

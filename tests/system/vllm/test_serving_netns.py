@@ -145,6 +145,37 @@ def _start_hosts(procs: list[subprocess.Popen[bytes]], tmp_path: Path, model: st
     _wait_ready(procs[2], logs["router"])
 
 
+def _model_and_reference(tmp_path: Path, *tools: str) -> tuple[str, list[list[int] | None]]:
+    """The tiny Gemma3 and a plain api_server's completions of `PROMPTS` (on 127.0.0.1);
+    skips with the reason where namespaces, a tool or vllm-router are missing."""
+    why = netns_unavailable()
+    if why:
+        pytest.skip(why)
+    missing = [t for t in tools if shutil.which(t) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} (util-linux, iproute2)")
+    try:
+        router_executable()
+    except ServingError as exc:
+        pytest.skip(str(exc))
+    model = str(build_tiny_gemma3(tmp_path / "tiny-gemma3"))
+    with single_instance(model, log_dir=tmp_path / "single",
+                         engine_args=TINY_CPU_ENGINE_ARGS) as single:
+        reference = [r.token_ids for r in complete(single.url, PROMPTS, MAX_TOKENS,
+                                                   concurrency=len(PROMPTS))]
+    return model, reference
+
+
+def _check_exact(got: list[dict], reference: list[list[int] | None],
+                 errors: object = None) -> None:
+    """Every request answered, with the single engine's token ids."""
+    failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
+              if not r["ok"]]
+    assert not failed, (failed, errors)
+    wrong = [n for n, r, e in zip(PROMPT_LENS, got, reference, strict=True) if r["ids"] != e]
+    assert wrong == [], f"prompts of {wrong} tokens differ from the single engine"
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
     for proc in reversed(procs):
         if proc.poll() is None:
@@ -169,20 +200,7 @@ print(remote_compat_hash(sys.argv[1], int(sys.argv[2]), key=None, timeout_s=5.0)
 
 
 def test_two_hosts_token_exact(tmp_path: Path) -> None:
-    why = netns_unavailable()
-    if why:
-        pytest.skip(why)
-    if shutil.which("taskset") is None:
-        pytest.skip("needs taskset (util-linux) to pin engines to cores")
-    try:
-        router_executable()
-    except ServingError as exc:
-        pytest.skip(str(exc))
-    model = str(build_tiny_gemma3(tmp_path / "tiny-gemma3"))
-    with single_instance(model, log_dir=tmp_path / "single",
-                         engine_args=TINY_CPU_ENGINE_ARGS) as single:
-        reference = [r.token_ids for r in complete(single.url, PROMPTS, MAX_TOKENS,
-                                                   concurrency=len(PROMPTS))]
+    model, reference = _model_and_reference(tmp_path, "taskset")
     key = _key_file(tmp_path / "kvstage.key")
     procs: list[subprocess.Popen[bytes]] = []
     with _namespaces():
@@ -222,11 +240,7 @@ def test_two_hosts_token_exact(tmp_path: Path) -> None:
             wrong_log = (tmp_path / "d2" / "decode0.log").read_text(errors="replace")
         finally:
             _stop(procs)
-    failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
-              if not r["ok"]]
-    assert not failed, failed
-    wrong = [n for n, r, e in zip(PROMPT_LENS, got, reference, strict=True) if r["ids"] != e]
-    assert wrong == [], f"prompts of {wrong} tokens differ from the single engine"
+    _check_exact(got, reference)
     # a lower bound of the KV that crossed the veth: the full-attention layer's whole
     # 32-token blocks (16 KiB each) of every prompt; the sliding-window layers add more
     kv_bytes = sum((n - 1) // 32 for n in PROMPT_LENS) * 16384
@@ -256,20 +270,7 @@ def test_two_hosts_slow_link(tmp_path: Path) -> None:
     left) and the checksum on. Two rounds of 8 prompts at once: every request
     completes with the single engine's tokens, its bytes verified, and no READ is refused
     for a lease near its end."""
-    why = netns_unavailable()
-    if why:
-        pytest.skip(why)
-    if shutil.which("taskset") is None or shutil.which("tc") is None:
-        pytest.skip("needs taskset (util-linux) and tc (iproute2)")
-    try:
-        router_executable()
-    except ServingError as exc:
-        pytest.skip(str(exc))
-    model = str(build_tiny_gemma3(tmp_path / "tiny-gemma3"))
-    with single_instance(model, log_dir=tmp_path / "single",
-                         engine_args=TINY_CPU_ENGINE_ARGS) as single:
-        reference = [r.token_ids for r in complete(single.url, PROMPTS, MAX_TOKENS,
-                                                   concurrency=len(PROMPTS))]
+    model, reference = _model_and_reference(tmp_path, "taskset", "tc")
     key = _key_file(tmp_path / "kvstage.key")
     procs: list[subprocess.Popen[bytes]] = []
     rounds = []
@@ -295,12 +296,7 @@ def test_two_hosts_slow_link(tmp_path: Path) -> None:
               for line in (tmp_path / name).read_text(errors="replace").splitlines()
               if " ERROR " in line or "Error" in line][:20]
     for got in rounds:
-        failed = [f"{n} tokens: {r['error']}" for n, r in zip(PROMPT_LENS, got, strict=True)
-                  if not r["ok"]]
-        assert not failed, (failed, errors)
-        wrong = [n for n, r, e in zip(PROMPT_LENS, got, reference, strict=True)
-                 if r["ids"] != e]
-        assert wrong == [], f"prompts of {wrong} tokens differ from the single engine"
+        _check_exact(got, reference, errors)
     kv_bytes = 2 * sum((n - 1) // 32 for n in PROMPT_LENS) * 16384  # as in the test above
     print(f"prefill tbf sent {sent} bytes for {kv_bytes} bytes of KV")
     assert sent >= kv_bytes  # the KV went through the shaped link
