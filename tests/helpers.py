@@ -165,14 +165,17 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def wait_prefill_free(addr: tuple[str, int], num_blocks: int, timeout_s: float) -> m.Stats:
+def wait_prefill_free(addr: tuple[str, int], num_blocks: int, timeout_s: float, *,
+                      key: bytes | None = None) -> m.Stats:
     """Bounded wait until prefill holds nothing; its pool must then be whole and every
-    request freed exactly once."""
+    request freed exactly once. (A READ's completion reaches prefill as an asynchronous
+    NIXL notification, so a stats call right after the decode's last READ may see it
+    still held.)"""
     deadline = time.monotonic() + timeout_s
-    s = stats_of(addr)
+    s = stats_of(addr, key=key)
     while s.held_requests and time.monotonic() < deadline:
         time.sleep(0.02)
-        s = stats_of(addr)
+        s = stats_of(addr, key=key)
     assert s.held_requests == 0 and s.held_blocks == 0, f"prefill still holds: {s}"
     assert s.free_blocks == num_blocks - 1, f"prefill leaked blocks: {s}"
     assert s.prefilled == s.completed + s.released + s.expired, s

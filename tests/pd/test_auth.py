@@ -28,6 +28,7 @@ from kvstage.pd.prefill_state import MAX_UNKNOWN_NOTIFS
 from kvstage.pd.side_channel import SideChannelClient, send_raw
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillThread, make_decode, make_prefill
+from tests.helpers import wait_for
 
 LAYOUT = ks.preset("gpt-oss-20b", num_blocks=256, block_size=8)  # 2 groups (SW + full)
 NB = LAYOUT.num_blocks
@@ -132,7 +133,7 @@ def test_acquire_without_the_capability_is_refused_and_counted() -> None:
         assert (s.held_requests, s.bad_capability) == (1, 2)
         assert decode.pool is not None and decode.pool.num_free == NB - 1
         read_ok(decode, addr, done)
-        assert stats(addr).completed == 1
+        wait_for(lambda: stats(addr).completed == 1)  # the notification is asynchronous
 
 
 def test_release_with_the_capability_frees() -> None:
@@ -160,6 +161,7 @@ def test_forged_completion_notification_frees_nothing() -> None:
         assert (s.held_requests, s.completed) == (1, 0)
         assert s.bad_capability + s.num_unknown_notifs == 2
         read_ok(decode, addr, done)  # decode's own notification carries the token
+        wait_for(lambda: stats(addr).completed == 1)  # the notification is asynchronous
         s = stats(addr)
         assert (s.held_requests, s.completed, s.free_blocks) == (0, 1, NB - 1)
 
@@ -209,6 +211,7 @@ def test_keyed_pair_reads_byte_exact_and_a_keyless_decode_cannot_handshake() -> 
             keyless.connect(*addr)  # no key, no NIXL metadata
         assert err.value.remote_code == Unauthorized.code
         read_ok(decode, addr, done)
+        wait_for(lambda: stats(addr, KEY).completed == 1)  # the notification is asynchronous
         s = stats(addr, KEY)
         assert (s.completed, s.held_requests, s.free_blocks, s.unauthorized) == (1, 0, NB - 1, 1)
 

@@ -27,6 +27,7 @@ from kvstage.pd.side_channel import SideChannelClient
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
 from kvstage.testing.servers import PrefillProcess, make_decode
+from tests.helpers import wait_prefill_free
 
 pytestmark = pytest.mark.nixl
 
@@ -200,8 +201,8 @@ def test_fuzz_live_prefill_then_honest_decode_is_exact_and_nothing_leaks(keyed: 
             honest_n += 1
             honest_ok += honest(decode, addr, key, "h-last", seed=99)
             fuzz.release_held(addr)
-            s = SideChannelClient(*addr, timeout_s=20.0, key=key).call(m.GetStats())
-            assert isinstance(s, m.Stats)
+            # the last READs' completions arrive as NIXL notifications, asynchronously
+            s = wait_prefill_free(addr, NB, 20.0, key=key)
             print(f"\nfuzz {'with' if keyed else 'without'} a key: {sent} messages in "
                   f"{FUZZ_S:.0f} s, kinds {dict(fuzz.kinds)}, replies {dict(fuzz.replies)}; "
                   f"honest {honest_ok}/{honest_n} byte-exact (+ the victim); prefill "
@@ -209,9 +210,6 @@ def test_fuzz_live_prefill_then_honest_decode_is_exact_and_nothing_leaks(keyed: 
                   f"prefilled={s.prefilled} completed={s.completed} released={s.released} "
                   f"expired={s.expired}")
             assert honest_ok == honest_n >= 1
-            assert (s.held_requests, s.held_blocks, s.free_blocks, s.open_handles) == (
-                0, 0, NB - 1, 0)
-            assert s.prefilled == s.completed + s.released + s.expired
             assert s.completed == honest_n + 1  # only the honest READs completed anything
             assert s.bad_capability > 0
             assert (s.unauthorized > 0) == keyed
