@@ -168,12 +168,14 @@ class CopyEngine:
         return CopyStats(direction, num_blocks, num_runs, chunks, num_blocks * self._block_bytes)
 
     def copy_runs(
-        self, runs: np.ndarray | list[tuple[int, int, int]], direction: Direction
+        self, runs: np.ndarray | list[tuple[int, int, int]], direction: Direction, *,
+        sync: bool = True,
     ) -> None:
         """Direct copies of ``[R, 3]`` (src, dst, n) block runs (the decode pipeline's
-        chunks); ids must be validated by the caller."""
+        chunks); ids must be validated by the caller. ``sync`` as in `run`."""
         self._direct(runs.tolist() if isinstance(runs, np.ndarray) else runs, direction)
-        self._sync()
+        if sync:
+            self._sync()
 
     # -- fused ----------------------------------------------------------------------------
     def _direct(self, runs: list[tuple[int, int, int]], direction: Direction) -> None:

@@ -3,12 +3,14 @@ on vLLM's REAL objects (its NIXL scheduler built from a real ``VllmConfig`` of t
 Gemma3 and a two-group ``KVCacheConfig``, real ``Request``/``SchedulerOutput``/metadata).
 
 - Save meta: for a prefill in two chunks, vLLM's scheduler puts in each step's metadata
-  only that step's NEW blocks (clipped): the last chunk's entry lacks the first chunk's
-  blocks, which is why kvstage saves once per prompt. kvstage's scheduler puts nothing for
-  the first chunk and every block of the prompt, clipped as vLLM clips a transfer, for the
-  last (vLLM's scheduler is not told to save it: it would keep a request whose last chunk
-  brings no new block); each save entry's ``local_physical_block_ids`` is its
-  ``local_block_ids`` (the checksum digests those, one kernel block per block).
+  only that step's NEW blocks (clipped): a block the first chunk ends inside is saved
+  with its first part only. kvstage's scheduler (`prompt_saves`) puts each step's
+  COMPLETED blocks that the transfer keeps (none of a sliding group's early ones), the
+  rest at the last step, and names the completed prompt with the blocks the decode READs
+  (``saves_final``); vLLM's scheduler is not told to save (it would keep a request whose
+  last chunk brings no new block). ``kvstage_save_by_chunk`` false: the whole prompt,
+  clipped as vLLM clips a transfer, at the last step. Each save entry's
+  ``local_physical_block_ids`` is its ``local_block_ids``.
 - Per request: the prefill's returned ``kv_transfer_params`` carry kvstage's versioned
   field, its lease end not after vLLM's own deadline; the decode's step metadata hands the
   decoded value to the worker in ``requests``, next to vLLM's ``reqs_to_recv`` entry built
@@ -102,38 +104,65 @@ def _step(new: list[tuple[Request, tuple[list[int], ...]]],
     return out
 
 
-def _saves(scheduler: NixlConnectorScheduler) -> list[dict[str, tuple[Any, Any]]]:
-    """Two chunks of a 100-token prompt (64 then 36 tokens): each step's save entries."""
+def _saves(scheduler: NixlConnectorScheduler, first_chunk: int = 64
+           ) -> list[tuple[dict[str, tuple[Any, Any]], dict[str, Any]]]:
+    """Two chunks of a 100-token prompt (``first_chunk`` tokens, then the rest): each
+    step's save entries, and the prompts it completed (kvstage's ``saves_final``)."""
     req = _request("p", 100, {"do_remote_decode": True})
     scheduler.update_state_after_alloc(req, KVCacheBlocks(blocks=([], [])), 0)
-    chunk1 = ([1, 2, 3, 4], [11, 12, 13, 14])  # blocks 0..63 of each group
-    chunk2 = ([5, 6, 7], [15, 16, 17])  # 64..99
+    n1 = -(-first_chunk // BLOCK)  # blocks the first chunk allocates per group
+    blocks = ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17])  # 7 x 16 >= 100 tokens
+    chunk1 = tuple(g[:n1] for g in blocks)
+    chunk2 = tuple(g[n1:] for g in blocks)
     out = []
-    meta = scheduler.build_connector_meta(_step([(req, chunk1)], [], {"p": 64}))
+    meta = scheduler.build_connector_meta(_step([(req, chunk1)], [], {"p": first_chunk}))
     assert meta.reqs_in_batch == {"p"}  # vLLM tracks it for the lease all the same
-    out.append({r: (m.local_block_ids, m.local_physical_block_ids)
-                for r, m in meta.reqs_to_save.items()})
-    req.num_computed_tokens = 64
-    meta = scheduler.build_connector_meta(_step([], [(req, chunk2)], {"p": 36}))
-    out.append({r: (m.local_block_ids, m.local_physical_block_ids)
-                for r, m in meta.reqs_to_save.items()})
+    out.append(({r: (m.local_block_ids, m.local_physical_block_ids)
+                 for r, m in meta.reqs_to_save.items()}, getattr(meta, "saves_final", None)))
+    req.num_computed_tokens = first_chunk
+    meta = scheduler.build_connector_meta(
+        _step([], [(req, chunk2)], {"p": 100 - first_chunk}))
+    out.append(({r: (m.local_block_ids, m.local_physical_block_ids)
+                 for r, m in meta.reqs_to_save.items()}, getattr(meta, "saves_final", None)))
     return out
 
 
-def test_vllm_saves_each_chunks_new_blocks_kvstage_the_prompt_once(configs: Any) -> None:
+def test_vllm_saves_each_chunks_new_blocks_kvstage_each_chunks_completed_ones(
+        configs: Any) -> None:
     vllm_config, kv_cache = configs
     plain = NixlConnectorScheduler(vllm_config, "engine-v", kv_cache)
     plain.use_host_buffer = True  # vLLM's CPU platform turns it off; its CUDA path's value
-    first, last = _saves(plain)
+    (first, _), (last, _) = _saves(plain)
     # vLLM: the new blocks of each step, a sliding group clipped to its window's blocks
     assert first == {"p": (([1, 2, 3, 4], [12, 13, 14]),) * 2}
     assert last == {"p": (([5, 6, 7], [15, 16, 17]),) * 2}  # not blocks 1..4 / 12..14
+    # a chunk that ends inside a block: vLLM saves block 4 with its first 12 tokens only
+    plain = NixlConnectorScheduler(vllm_config, "engine-v2", kv_cache)
+    plain.use_host_buffer = True
+    (first, _), (last, _) = _saves(plain, first_chunk=60)
+    assert first["p"][0][0] == [1, 2, 3, 4] and last["p"][0][0] == [5, 6, 7]
+
+    whole = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17][-SW_BLOCKS:]]
     ours = KVStageConnectorScheduler(vllm_config, "engine-k", kv_cache)
     assert ours.use_host_buffer
-    first, last = _saves(ours)
+    (first, done1), (last, done2) = _saves(ours)
+    # each chunk's completed blocks the transfer keeps (the window: positions 4..6 of 7)
+    assert (first, done1) == ({"p": (([1, 2, 3, 4], []),) * 2}, {})
+    assert (last, done2) == ({"p": (([5, 6, 7], [15, 16, 17]),) * 2}, {"p": whole})
+    # a chunk that ends inside a block: block 4 waits for the step that completes it
+    ours = KVStageConnectorScheduler(vllm_config, "engine-k2", kv_cache)
+    (first, _), (last, done2) = _saves(ours, first_chunk=60)
+    assert first == {"p": (([1, 2, 3], []),) * 2}
+    assert (last, done2) == ({"p": (([4, 5, 6, 7], [15, 16, 17]),) * 2}, {"p": whole})
+    # kvstage_save_by_chunk false: nothing, then the whole prompt once
+    vllm_config.kv_transfer_config.kv_connector_extra_config["kvstage_save_by_chunk"] = False
+    try:
+        once = KVStageConnectorScheduler(vllm_config, "engine-k3", kv_cache)
+    finally:
+        del vllm_config.kv_transfer_config.kv_connector_extra_config["kvstage_save_by_chunk"]
+    (first, _), (last, done2) = _saves(once)
     assert first == {}
-    whole = ([1, 2, 3, 4, 5, 6, 7], [11, 12, 13, 14, 15, 16, 17][-SW_BLOCKS:])
-    assert last == {"p": (whole, whole)}
+    assert last == {"p": ((tuple(whole),) * 2)} and done2 == {"p": whole}
 
 
 def test_params_carry_one_versioned_field_and_reach_the_worker(configs: Any) -> None:

@@ -88,9 +88,7 @@ def test_digests_cover_what_the_read_writes_only() -> None:
     extents = [[(0, 0, 64), (1, 0, 64)], [(0, 0, 12)]]
     worker = checksums.WorkerChecksums(True)
     worker.attach(views, 1, extents)
-    saved = SimpleNamespace(reqs_to_save={"r": SimpleNamespace(
-        local_physical_block_ids=[[1, 2], [5]])})
-    worker.after_save(saved)
+    worker.after_save({"r": [[1, 2], [5]]})
     meta = worker.worker_meta()
     assert meta is not None and sorted(meta.digests["r"]) == [1, 2, 5]
     want = integrity.to_params(meta.digests["r"])

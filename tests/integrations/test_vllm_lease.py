@@ -88,6 +88,7 @@ def test_worker_hook_fails_the_load_without_a_read(monkeypatch: pytest.MonkeyPat
                         lambda self, req_id, meta: entered.append(req_id))
     w = KVStageConnectorWorker.__new__(KVStageConnectorWorker)
     w._kvstage_leases = lease.WorkerLeases(margin=3.0)
+    w._kvstage_saves = None  # a decode: no saves to drain before its READs
     w._engine_clock_offset = {"P": 0.0}
     w._invalid_remote_engines = set()
     w._recv_failures = set()

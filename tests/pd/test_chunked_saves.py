@@ -16,6 +16,7 @@ import torch
 from kvstage import KVCache, preset
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.plan import runs_of_ids
 from kvstage.testing.servers import PrefillThread
 from kvstage.transport import make_transport
 from tests.helpers import finish_read
@@ -107,15 +108,15 @@ class Gate:
     def __init__(self, prefill: PrefillWorker) -> None:
         self.event = threading.Event()
         self.order: list[str] = []
-        copy = prefill._saves._copy
+        timed = prefill._saves._timed
 
-        def gated(plan: Any) -> float:
+        def gated(copy: Any) -> float:
             assert self.event.wait(10)
-            secs = copy(plan)
+            secs = timed(copy)
             self.order.append("copied")
             return secs
 
-        prefill._saves._copy = gated  # type: ignore[method-assign]
+        prefill._saves._timed = gated  # type: ignore[method-assign]
 
     def open_later(self, delay_s: float = 0.2) -> threading.Timer:
         timer = threading.Timer(delay_s, self.event.set)
@@ -143,11 +144,11 @@ def test_hold_raises_a_background_copy_error_and_release_still_frees() -> None:
     prefill = PrefillWorker(KVCache(LAYOUT), make_transport("loopback", "err-p"),
                             on_free=lambda rid, ids: freed.append(ids))
 
-    def broken(plan: Any) -> float:
+    def broken(copy: Any) -> float:
         raise RuntimeError("injected copy failure")
 
     with prefill:
-        prefill._saves._copy = broken  # type: ignore[method-assign]
+        prefill._saves._timed = broken  # type: ignore[method-assign]
         ids = [[4 + 2 * g, 5 + 2 * g] for g in range(LAYOUT.num_groups)]
         prefill.save("r", ids, wait=False)
         with pytest.raises(RuntimeError, match="injected copy failure"):
@@ -198,3 +199,27 @@ def test_queued_saves_on_cuda_use_the_copy_stream_after_the_forward() -> None:
             for b in {b for g in ids for b in g}:
                 assert bool((host[t][:, b].view(torch.uint8) != 0).any()), (t, b)
                 assert torch.equal(host[t][:, b].cpu(), cache.tensor_views[t][:, b].cpu())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_queued_runs_drain_then_wait(device: str) -> None:
+    """The vLLM connector's form (`submit_runs`: trusted runs, no plan): ``drain`` waits
+    for every queued copy and keeps each request's figures for ``wait``."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    cache = KVCache(LAYOUT, device)
+    with PrefillWorker(cache, make_transport("loopback", f"runs-{device}")) as prefill:
+        for view in cache.tensor_views:  # the "forward pass", on the current stream
+            view.fill_(3)
+        queue = prefill._saves
+        queue.submit_runs("a", runs_of_ids([5, 6, 7, 9]))
+        queue.submit_runs("b", runs_of_ids([11]))
+        queue.submit_runs("b", [])  # nothing to copy: nothing queued
+        assert (queue.pending("a"), queue.pending("b"), queue.busy) == (1, 1, True)
+        queue.drain()
+        host = prefill.host.canonical
+        for t in range(len(cache.tensor_views)):
+            for b in (5, 6, 7, 9, 11):
+                assert torch.equal(host[t][:, b].cpu(), cache.tensor_views[t][:, b].cpu())
+            assert not bool(host[t][:, 8].view(torch.uint8).any())  # never queued
+        assert queue.wait("a") > 0 and queue.wait("b") > 0 and not queue.busy

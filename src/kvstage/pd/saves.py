@@ -18,7 +18,13 @@ their copy seconds, raising the first error a copy raised; the worker calls it i
 ``hold`` (decode may READ only finished bytes) and before giving blocks back (a late copy
 must not read a block the engine reuses).
 
-Thread rules: ``submit`` and ``wait`` from one thread (the worker's owner).
+`submit_runs` queues trusted ``(src, dst, n)`` runs instead of a plan (the vLLM
+connector's saves: `kvstage.integrations.vllm.chunk_saves`); `drain` waits for every queued
+save without taking any request's figures (before a READ writes host blocks a late save
+could still be copying into).
+
+Thread rules: ``submit``, ``submit_runs``, ``wait`` and ``drain`` from one thread (the
+worker's owner).
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvstage.engine import CopyEngine, Direction
@@ -46,15 +54,26 @@ class SaveQueue:
         self._pool: cf.ThreadPoolExecutor | None = None
         self._pending: dict[str, list[Any]] = {}
 
-    def _copy(self, plan: CopyPlan) -> float:
+    def _timed(self, copy: Callable[[bool], object]) -> float:
+        """Run one queued copy (in the CPU thread); its seconds."""
         start = time.perf_counter()
-        self.engine.run(plan, Direction.D2H)
+        copy(True)
         return time.perf_counter() - start
 
     def submit(self, request_id: str, plan: CopyPlan) -> None:
         """Queue the d2h of ``plan`` (validated ids) for ``request_id``."""
-        if not plan.num_blocks:
-            return
+        if plan.num_blocks:
+            self._launch(request_id,
+                         lambda sync: self.engine.run(plan, Direction.D2H, sync=sync))
+
+    def submit_runs(self, request_id: str, runs: np.ndarray | list[tuple[int, int, int]]
+                    ) -> None:
+        """Queue the d2h of trusted block ``runs`` (``(src, dst, n)``) for ``request_id``."""
+        if len(runs):
+            self._launch(request_id,
+                         lambda sync: self.engine.copy_runs(runs, Direction.D2H, sync=sync))
+
+    def _launch(self, request_id: str, copy: Callable[[bool], object]) -> None:
         token: Any
         if self._stream is not None:
             device = self.engine.cache.device
@@ -63,17 +82,31 @@ class SaveQueue:
             end = torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self._stream):
                 start.record(self._stream)
-                self.engine.run(plan, Direction.D2H, sync=False)
+                copy(False)
                 end.record(self._stream)
             token = (start, end)
         else:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="kvstage-d2h")
-            token = self._pool.submit(self._copy, plan)
+            token = self._pool.submit(self._timed, copy)
         self._pending.setdefault(request_id, []).append(token)
+
+    def drain(self) -> None:
+        """Block until every queued save has run (each request's figures stay for
+        `wait`); errors stay with their requests too."""
+        if self._stream is not None:
+            self._stream.synchronize()
+            return
+        for tokens in self._pending.values():
+            cf.wait(tokens)
 
     def pending(self, request_id: str) -> int:
         return len(self._pending.get(request_id, ()))
+
+    @property
+    def busy(self) -> bool:
+        """Some request has saves not yet waited for."""
+        return bool(self._pending)
 
     def wait(self, request_id: str) -> float:
         """Block until ``request_id``'s saves are over; their copy seconds. Raises the

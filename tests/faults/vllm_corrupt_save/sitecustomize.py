@@ -32,9 +32,9 @@ def _update_state_after_alloc(self: Any, request: Any, *args: Any, **kwargs: Any
     return _alloc(self, request, *args, **kwargs)
 
 
-def _corrupting_after_save(self: Any, metadata: Any) -> None:
-    _after_save(self, metadata)
-    for req_id in _marked & set(metadata.reqs_to_save):
+def _corrupting_after_save(self: Any, final: Any) -> None:
+    _after_save(self, final)
+    for req_id in _marked & set(final):
         ids = sorted(self._saved.get(req_id, ()))
         if ids:
             _marked.discard(req_id)

@@ -9,8 +9,11 @@ exactly:
   ``vllm:kvstage_h2d_bytes_total`` and ``vllm:nixl_bytes_transferred_sum`` (vLLM's own
   READ figure, from NIXL's telemetry) are all the request's blocks times the layout's
   block bytes (4 attention layers aliasing one tensor: one block of one layer);
-- one copy each side (the prompt is chunked: 150 tokens over ``max_num_batched_tokens``
-  120, saved once), one READ, no failures;
+- one copy record each side (the prompt is chunked: 150 tokens over
+  ``max_num_batched_tokens`` 120), one READ, no failures;
+- the prefill's ``vllm:kvstage_d2h_last_step_blocks_total``: the blocks its prompt's last
+  step copied, only those the first chunk did not complete (the rest were copied in the
+  background while the second chunk ran: ``kvstage_save_by_chunk``);
 - each instance's periodic "KV Transfer metrics" log line carries the kvstage fields.
 
 Every instance is its own process group (the harness stops them all); waits are bounded.
@@ -46,6 +49,7 @@ BLOCK_SIZE = 32  # TINY_CPU_ENGINE_ARGS
 # float32 K and V of one block of one layer; the 4 layers' groups alias one tensor
 BLOCK_BYTES = 2 * BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM * 4
 PROMPT_LEN = 150  # 5 blocks; the sliding window (64 tokens) keeps fewer per group
+MNBT = TINY_CPU_ENGINE_ARGS.max_num_batched_tokens or 120  # the first chunk's tokens
 
 
 def _expected_blocks(prompt_len: int) -> int:
@@ -54,6 +58,14 @@ def _expected_blocks(prompt_len: int) -> int:
     n = math.ceil(prompt_len / BLOCK_SIZE)
     per_sliding = min(n, SLIDING_WINDOW // BLOCK_SIZE + 1)
     return n + (NUM_LAYERS - 1) * per_sliding
+
+
+def _last_step_blocks(prompt_len: int, first_chunk: int) -> int:
+    """Of `_expected_blocks`, those the first chunk did not complete."""
+    n = math.ceil(prompt_len / BLOCK_SIZE)
+    done = first_chunk // BLOCK_SIZE
+    kept_from = max(0, n - (SLIDING_WINDOW // BLOCK_SIZE + 1))  # a sliding group's READ
+    return (n - done) + (NUM_LAYERS - 1) * (n - max(done, kept_from))
 
 
 def metric(text: str, name: str) -> float:
@@ -128,6 +140,9 @@ def test_pd_request_figures_reach_metrics_and_log(cluster: PDCluster) -> None:
     assert metric(p_text, "vllm:kvstage_d2h_bytes_total") == want
     assert metric(p_text, "vllm:kvstage_d2h_blocks_total") == _expected_blocks(PROMPT_LEN)
     assert metric(p_text, "vllm:kvstage_d2h_time_seconds_count") == 1
+    last_step = _last_step_blocks(PROMPT_LEN, MNBT)
+    assert 0 < last_step < _expected_blocks(PROMPT_LEN)
+    assert metric(p_text, "vllm:kvstage_d2h_last_step_blocks_total") == last_step
     decode_text = d_text
     assert metric(decode_text, "vllm:kvstage_h2d_bytes_total") == want
     assert metric(decode_text, "vllm:kvstage_h2d_blocks_total") == _expected_blocks(PROMPT_LEN)
@@ -143,6 +158,7 @@ def test_pd_request_figures_reach_metrics_and_log(cluster: PDCluster) -> None:
     mb = round(want / 2**20, 3)
     assert (p_log["kvstage d2h copies"], p_log["kvstage d2h MB"]) == (1, mb), p_log
     assert p_log["kvstage copy failures"] == 0, p_log
+    assert p_log["kvstage d2h last-step blocks"] == last_step, p_log
     d_log = _wait_for(
         lambda: (f := _log_fields(decode)) and f.get("kvstage h2d copies") == 1
         and f.get("Num successful transfers") == 1 and f, "the decode's h2d and READ logged")

@@ -4,15 +4,16 @@ Contract
 --------
 ``kv_connector_extra_config: {"kvstage_verify_checksum": true}`` on BOTH instances:
 
-- Prefill worker (`WorkerChecksums.after_save`): right after vLLM's d2h save of a request
-  (``save_kv_to_host``), one xxh3-64 per saved block over exactly the host bytes the
-  decode's READ writes for its group (`read_extents`, `kvstage.pd.integrity.extent_digests`):
-  the tensors the group has layers in, an attention page whole, a state page's states
-  only. Bytes no READ writes (a state page's padding, a tensor the group has no layer in)
-  keep whatever the block held before on each side, so hashing them failed honest
-  transfers once blocks were reused (found serving the tiny Granite behind vllm-router).
-  The digests go to the scheduler in vLLM's worker -> scheduler channel
-  (``build_connector_worker_meta`` -> `ChecksumMeta` -> ``update_connector_output``).
+- Prefill worker (`WorkerChecksums.after_save`): once a request's saves are complete
+  (``save_kv_to_host`` of its prompt's last step, `chunk_saves`), one xxh3-64 per saved
+  block over exactly the host bytes the decode's READ writes for its group (`read_extents`,
+  `kvstage.pd.integrity.extent_digests`): the tensors the group has layers in, an attention
+  page whole, a state page's states only. Bytes no READ writes (a state page's padding, a
+  tensor the group has no layer in) keep whatever the block held before on each side, so
+  hashing them failed honest transfers once blocks were reused (found serving the tiny
+  Granite behind vllm-router). The digests go to the scheduler in vLLM's worker -> scheduler
+  channel (``build_connector_worker_meta`` -> `ChecksumMeta` ->
+  ``update_connector_output``).
 - Prefill scheduler (`SchedulerChecksums`): puts them in the ``kv_transfer_params`` it
   returns for the decode, ``"kvstage_checksums": {"xxh3_64": {"<block id>": "<hex>"}}``.
   vLLM 0.32.0 calls ``request_finished`` in ``update_from_output`` BEFORE
@@ -42,7 +43,7 @@ start): the digests are keyed by the block ids both sides READ with.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,13 +125,14 @@ class WorkerChecksums:
             return views_digests(self._views, ids)
         return extent_digests(self._views, self._extents[group], ids)
 
-    def after_save(self, metadata: Any) -> None:
-        """Prefill: digest every request just saved (the host bytes the decode READs)."""
+    def after_save(self, final: Mapping[str, Sequence[Sequence[int]]]) -> None:
+        """Prefill: digest every request whose saves just completed, over the blocks the
+        decode READs (per group: ``saves_final`` of the step's metadata)."""
         if not self.enabled:
             return
-        for req_id, meta in metadata.reqs_to_save.items():
+        for req_id, groups in final.items():
             saved: Digests = {}
-            for group, blocks in enumerate(meta.local_physical_block_ids):
+            for group, blocks in enumerate(groups):
                 ids = sorted({b for b in blocks if b})
                 saved.update(zip(ids, self._digests(group, ids), strict=True))
             self._saved[req_id] = saved

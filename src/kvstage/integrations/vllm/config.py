@@ -51,6 +51,9 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
      f"0..{MAX_PROGRESS_DELAY_US}", "NIXL progress-thread sleep when idle (0: busy poll)"),
     ("kvstage_log_reads", "bool", "false", "true/false",
      "log each READ's NIXL figures (bytes, microseconds, descriptors)"),
+    ("kvstage_save_by_chunk", "bool", "true", "true/false",
+     "prefill: copy each chunk's completed blocks to the host while later chunks run "
+     "(false: the whole prompt in its last step)"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
      "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
 )
@@ -80,6 +83,7 @@ class KVStageConfig:
     lease_margin_s: float = LEASE_DEFAULT_S // 6 + LEASE_SLACK_S
     progress_delay_us: int = DEFAULT_PROGRESS_DELAY_US
     log_reads: bool = False
+    save_by_chunk: bool = True
     lease_duration_s: float = float(LEASE_DEFAULT_S)
 
     @classmethod
@@ -95,7 +99,8 @@ class KVStageConfig:
         for key, field in (("kvstage_force_host_buffer", "force_host_buffer"),
                            ("kvstage_allow_unauthenticated", "allow_unauthenticated"),
                            ("kvstage_verify_checksum", "verify_checksum"),
-                           ("kvstage_log_reads", "log_reads")):
+                           ("kvstage_log_reads", "log_reads"),
+                           ("kvstage_save_by_chunk", "save_by_chunk")):
             if key in extra:
                 value = _bool(extra[key])
                 if value is None:

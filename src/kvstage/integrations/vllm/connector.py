@@ -31,9 +31,13 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   spaces), a state slot is saved after the prompt's last chunk (below). Any other spec,
   and a Mamba model without ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, is refused at start in one
   line naming it and the fix.
-- Chunked prefill: the prefill side saves a request's blocks once, when its prompt is fully
-  scheduled (vLLM saves each step's new blocks only, so a block a chunk boundary cut in two
-  would keep its first part's bytes only).
+- Chunked prefill (`prompt_saves`, `chunk_saves`): each step saves the attention blocks it
+  COMPLETED that the transfer keeps, queued on a background copy (a CUDA copy stream, or a
+  CPU thread) while later chunks compute; the prompt's last step saves the rest (the
+  blocks its chunk touched, state slots) and waits for all of them before the request's
+  params leave. vLLM saves each step's new blocks, so a block a chunk boundary cut in two
+  would keep its first part's bytes only. ``kvstage_save_by_chunk: false``: the whole
+  prompt in its last step.
 - Handshake: the compatibility hash carries ``kvstage<N>:``; the decode side refuses a
   prefill peer whose hash lacks it, saying the peer does not run kvstage (a plain NIXL peer
   would read or serve per-layer buffers), and the check is always enforced. When vLLM's
@@ -75,7 +79,8 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   per-request fields: `request_params` (README "What travels per request").
 
 Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
-``get_finished``); this module starts no thread (vLLM's listener thread runs
+``get_finished``), a prefill's earlier chunks' d2h on `chunk_saves`' copy thread or
+stream; this module starts no thread (vLLM's listener thread runs
 `secure_handshake.serve_handshake`, vLLM's handshake thread the sealed query).
 
 vLLM versions supported: 0.32.0 and 0.33.0 (sleep mode refused: ``supports_sleep_mode``

@@ -1,11 +1,12 @@
-"""`KVStageConnectorScheduler`: vLLM's NIXL scheduler side with kvstage's save-once-per-prompt,
+"""`KVStageConnectorScheduler`: vLLM's NIXL scheduler side with kvstage's per-chunk saves,
 capabilities in the returned ``kv_transfer_params``, the sealed handshake listener and the
 per-request fields (`request_params`) handed to the decode and to the worker.
 
 Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc and
 README "The vLLM surface". Only public connector hooks are overridden here, apart from the
 handshake listener: requests are tracked from ``update_state_after_alloc`` (not vLLM's
-private maps), and the save-once rule rewrites the save entries of the metadata vLLM built
+private maps), and kvstage's save plan (`prompt_saves`: each chunk's completed blocks,
+the rest at the prompt's end) replaces the save entries of the metadata vLLM built
 (``build_connector_meta``). Threads: vLLM's listener thread runs
 `secure_handshake.serve_handshake`.
 """
@@ -26,6 +27,7 @@ from vllm.logger import init_logger
 
 from kvstage.integrations.vllm import checksums, lease, request_params, secure, secure_handshake
 from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.prompt_saves import PromptSaves
 from kvstage.integrations.vllm.request_params import RequestParams
 
 if TYPE_CHECKING:
@@ -43,19 +45,26 @@ class KVStageConnectorMetadata(NixlConnectorMetadata):
     """vLLM's NIXL metadata of one step plus kvstage's per-request fields, one typed field
     (``requests``) instead of attributes set on vLLM's object. The views the worker pieces
     read (``kvstage_leases``, ``kvstage_lease_extensions``, ``kvstage_checksums``) derive
-    from it."""
+    from it. The prefill's saves: ``reqs_to_save`` holds what each request copies this
+    step; ``saves_final`` the requests whose prompt completed (the blocks the decode will
+    READ), ``saves_dropped`` those that ended before (`prompt_saves`, `chunk_saves`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.requests: dict[str, RequestParams] = {}
+        self.saves_final: dict[str, list[list[int]]] = {}
+        self.saves_dropped: set[str] = set()
 
     @classmethod
-    def of(cls, meta: NixlConnectorMetadata,
-           requests: dict[str, RequestParams]) -> KVStageConnectorMetadata:
+    def of(cls, meta: NixlConnectorMetadata, requests: dict[str, RequestParams],
+           saves_final: dict[str, list[list[int]]] | None = None,
+           saves_dropped: set[str] | None = None) -> KVStageConnectorMetadata:
         """``meta`` (vLLM's, as its scheduler built it) with kvstage's fields."""
         out = cls()
         out.__dict__.update(meta.__dict__)
         out.requests = requests
+        out.saves_final = saves_final or {}
+        out.saves_dropped = saves_dropped or set()
         return out
 
     @property
@@ -75,7 +84,7 @@ class KVStageConnectorMetadata(NixlConnectorMetadata):
 
 
 class KVStageConnectorScheduler(NixlConnectorScheduler):
-    """NIXL scheduler side: host path switchable on CPU, save once per finished prompt."""
+    """NIXL scheduler side: host path switchable on CPU, saves planned per chunk."""
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
@@ -88,8 +97,12 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         )
         if self._kvstage.force_host_buffer:
             self.use_host_buffer = True
-        # prefill: request id -> (the request, its block ids scheduled so far per group)
-        self._kvstage_saving: dict[str, tuple[Request, list[list[int]] | None]] = {}
+        # prefill: request id -> the request, while its prompt is being saved
+        self._kvstage_saving: dict[str, Request] = {}
+        self._kvstage_saves = PromptSaves(
+            _save_groups(kv_cache_config), lambda ids: self.get_exchange_clipped_blocks(
+                ids, clip_ssm=False), by_chunk=self._kvstage.save_by_chunk)
+        self._kvstage_dropped: set[str] = set()  # ended before their last save
         # decode: request id -> its kvstage fields, for the step's metadata
         self._kvstage_recv: dict[str, RequestParams] = {}
         self._kvstage_checksums = checksums.SchedulerChecksums(self._kvstage.verify_checksum)
@@ -115,8 +128,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         params = request.kv_transfer_params or {}
         rid = request.request_id
         if self.use_host_buffer and params.get("do_remote_decode"):
-            self._kvstage_saving[rid] = (request, None)  # (re)scheduled: blocks follow
-            # vLLM's per-chunk saves are replaced (`_save_once`): its scheduler does not
+            self._kvstage_saving[rid] = request  # (re)scheduled: blocks follow
+            self._kvstage_saves.add(rid)
+            # vLLM's per-chunk saves are replaced (`_plan_saves`): its scheduler does not
             # track the request for saving at all (it would keep a request whose last chunk
             # brought no new block, as vLLM 0.32.0 does: nothing removes it then)
             self.use_host_buffer = False
@@ -142,6 +156,8 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
     ) -> tuple[bool, dict[str, Any] | None]:
         started = time.perf_counter()  # before vLLM stamps its deadline: never later
         self._kvstage_saving.pop(request.request_id, None)  # saved, or aborted
+        if self._kvstage_saves.drop(request.request_id):  # aborted with saves queued
+            self._kvstage_dropped.add(request.request_id)
         delay_free, params = super().request_finished(request, block_ids)
         lease.stamp(params, delay_free, started, self._kvstage.lease_duration_s)
         key = self._kvstage_security.key
@@ -160,10 +176,10 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStageConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, NixlConnectorMetadata)
-        if self.use_host_buffer:
-            self._save_once(meta, scheduler_output)
+        final = self._plan_saves(meta, scheduler_output) if self.use_host_buffer else {}
         recv, self._kvstage_recv = self._kvstage_recv, {}
-        return KVStageConnectorMetadata.of(meta, recv)
+        dropped, self._kvstage_dropped = self._kvstage_dropped, set()
+        return KVStageConnectorMetadata.of(meta, recv, final, dropped)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -172,34 +188,45 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             request_params.pack(params)
         self._kvstage_unpacked.clear()
 
-    def _save_once(self, meta: NixlConnectorMetadata, scheduler_output: SchedulerOutput) -> None:
-        """A request's blocks are saved once, after its prompt's last chunk: vLLM saves each
-        step's new blocks (a block a chunk boundary cut would keep its first part's bytes
-        only). Instead of vLLM's per-chunk save entries (it tracks none: see
-        ``update_state_after_alloc``): none for a partial prefill, the whole prompt's blocks
-        (clipped as vLLM clips a transfer) after the last chunk."""
+    def _plan_saves(self, meta: NixlConnectorMetadata,
+                    scheduler_output: SchedulerOutput) -> dict[str, list[list[int]]]:
+        """This step's save entries, from kvstage's plan (`prompt_saves`) instead of vLLM's
+        (its scheduler tracks none: see ``update_state_after_alloc``): a partial prefill's
+        newly completed blocks, then at the prompt's last step the blocks not yet saved
+        (clipped as vLLM clips a transfer). Returns the requests whose prompt completed,
+        with the blocks the decode will READ."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         assert num_scheduled is not None
+        final: dict[str, list[list[int]]] = {}
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
-            entry = self._kvstage_saving.get(req_id)
-            if entry is None:
+            req = self._kvstage_saving.get(req_id)
+            if req is None:
                 continue
-            req, groups = entry
-            if new_block_ids is not None:
-                if groups is None or resumed:  # a resumed request lists all its blocks
-                    groups = [list(g) for g in new_block_ids]
-                else:
-                    for acc, new in zip(groups, new_block_ids, strict=True):
-                        acc.extend(new)
-                self._kvstage_saving[req_id] = (req, groups)
-            if req.num_computed_tokens + num_scheduled[req_id] < req.num_prompt_tokens:
-                continue  # partial prefill: save when the last chunk has run
-            del self._kvstage_saving[req_id]
-            if not groups:
+            save = self._kvstage_saves.step(
+                req_id, new_block_ids, resumed,
+                req.num_computed_tokens + num_scheduled[req_id], req.num_prompt_tokens)
+            if req_id not in self._kvstage_saves:
+                del self._kvstage_saving[req_id]  # its prompt completed
+            if save is None:
                 continue
-            assert req.kv_transfer_params is not None
-            meta.add_new_req_to_save(
-                request_id=req_id,
-                local_block_ids=self.get_exchange_clipped_blocks(tuple(groups), clip_ssm=False),
-                kv_transfer_params=req.kv_transfer_params,
-            )
+            if save.final is not None:
+                final[req_id] = [list(g) for g in save.final]
+            if any(save.ids):
+                assert req.kv_transfer_params is not None
+                meta.add_new_req_to_save(request_id=req_id, local_block_ids=save.ids,
+                                         kv_transfer_params=req.kv_transfer_params)
+        return final
+
+
+def _save_groups(config: KVCacheConfig) -> list[int | None]:
+    """`PromptSaves`' block sizes: tokens per block of each full or sliding-window
+    attention group (saved chunk by chunk), None for the rest (state groups: saved at the
+    prompt's end). All None when vLLM transfers only some groups (not asked of it)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    groups = config.kv_cache_groups
+    if len(config.transfer_group_ids) != len(groups):
+        return [None] * len(groups)
+    return [g.kv_cache_spec.block_size
+            if isinstance(g.kv_cache_spec, FullAttentionSpec | SlidingWindowSpec) else None
+            for g in groups]

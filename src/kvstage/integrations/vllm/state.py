@@ -16,13 +16,14 @@ Primitives (importing this module never imports vLLM; vLLM objects are read by a
   logical id names one logical page of every physical tensor: what `copies.EngineCopyOp`
   copies.
 - `copy_logical(worker, direction, requests)`: the worker's metered ``copy_blocks`` over
-  those ids, one call per request, as vLLM's own save/sync do (synchronous: vLLM's host
-  path expects the bytes in place on return).
+  those ids, one call per request, as vLLM's own sync does (synchronous: vLLM's host
+  path expects the bytes in place on return). The decode's h2d; the prefill's d2h of the
+  same logical ids is queued chunk by chunk (`chunk_saves`).
 
 Why whole logical pages are exact: a logical block id is held by one group of one request
 (one shared block pool), so its page of every physical tensor is that request's bytes or
-unused; a state slot is rewritten in place by every chunk, and the prefill saves once,
-after its last chunk (scheduler.py), so the slot moved is the state after the prompt vLLM
+unused; a state slot is rewritten in place by every chunk, and the prefill saves it after
+its last chunk only (prompt_saves.py), so the slot moved is the state after the prompt vLLM
 computed (vLLM's protocol stops the prefill one token short for Mamba: h(N-1)).
 """
 

@@ -15,7 +15,9 @@ only kvstage does, the copies between the device KV cache and the host buffers:
   directions; ``is_empty`` is False when only copies happened (a prefill never READs, so
   vLLM's own test would drop all of its figures).
 - `KVStagePromMetrics(NixlPromMetrics)`: vLLM's ``vllm:nixl_*`` metrics plus counters
-  ``vllm:kvstage_{d2h,h2d}_bytes_total`` and ``vllm:kvstage_{d2h,h2d}_blocks_total``,
+  ``vllm:kvstage_{d2h,h2d}_bytes_total``, ``vllm:kvstage_{d2h,h2d}_blocks_total`` and
+  ``vllm:kvstage_d2h_last_step_blocks_total`` (the blocks prompts' last steps copied) and
+  ``vllm:kvstage_d2h_wait_seconds_total`` (how long those steps waited for their d2h),
   histograms ``vllm:kvstage_{d2h,h2d}_time_seconds`` (``_sum`` is the total copy time,
   ``_count`` the number of copies: one per request on vLLM's host path) and the counter
   ``vllm:kvstage_copy_failures_total``.
@@ -31,8 +33,9 @@ Bytes: a copy's bytes are its distinct destination block ids times the block byt
 layout, the sum over the distinct KV views (storage, offset, dtype, shape, stride: aliased
 layer names counted once) of one block's bytes (blocks lie on dim 0 in vLLM 0.32.0's
 layouts). They are the bytes the request's blocks hold, whatever the copy implementation
-does to move them. Seconds are wall time around the call (vLLM's host path expects the copy
-complete on return, CUDA included).
+does to move them. Seconds: an h2d's are wall time around the call (complete on return,
+CUDA included); a prefill's d2h is one record per request at its prompt's last step, its
+seconds the copies' own time, most of it in the background (`chunk_saves`).
 
 Threads: the copy and ``get_kv_connector_stats`` both run on the worker's step thread (vLLM
 calls them from ``execute_model``); nothing here locks or starts a thread.
@@ -54,10 +57,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 DIRECTIONS = ("d2h", "h2d")
+#: per prefill request, the blocks its prompt's last step copied (on TTFT's path; the
+#: others were copied in the background while later chunks ran: `chunk_saves`)
+LAST_STEP_KEY = "kvstage_d2h_last_step_blocks"
+#: per prefill request, the seconds its prompt's last step waited for its saves (the d2h
+#: on TTFT's path: the last chunk's copy and any earlier one still running)
+WAIT_KEY = "kvstage_d2h_wait_seconds"
 #: the keys kvstage adds to vLLM's NIXL stats dict (lists, one entry per copy call)
 COPY_KEYS = tuple(
     f"kvstage_{d}_{what}" for d in DIRECTIONS for what in ("blocks", "bytes", "seconds")
-) + ("kvstage_copy_failures",)
+) + ("kvstage_copy_failures", LAST_STEP_KEY, WAIT_KEY)
 
 
 def block_bytes(caches: Mapping[str, torch.Tensor]) -> int:
@@ -93,6 +102,10 @@ class KVStageStats(NixlKVConnectorStats):
         self.data[f"kvstage_{direction}_bytes"].append(nbytes)
         self.data[f"kvstage_{direction}_seconds"].append(seconds)
 
+    def record_last_step(self, blocks: int, wait_s: float) -> None:
+        self.data[LAST_STEP_KEY].append(blocks)
+        self.data[WAIT_KEY].append(wait_s)
+
     def record_failed_copy(self) -> None:
         self.data["kvstage_copy_failures"].append(1)
 
@@ -112,6 +125,8 @@ class KVStageStats(NixlKVConnectorStats):
             out[f"kvstage {d} copies"] = len(self.data[f"kvstage_{d}_bytes"])
             out[f"kvstage {d} MB"] = round(nbytes / 2**20, 3)
             out[f"kvstage {d} time (ms)"] = round(sum(self.data[f"kvstage_{d}_seconds"]) * 1e3, 3)
+        out["kvstage d2h last-step blocks"] = sum(self.data[LAST_STEP_KEY])
+        out["kvstage d2h wait (ms)"] = round(sum(self.data[WAIT_KEY]) * 1e3, 3)
         out["kvstage copy failures"] = len(self.data["kvstage_copy_failures"])
         return out
 
@@ -154,6 +169,18 @@ class KVStagePromMetrics(NixlPromMetrics):
                 buckets=buckets,
                 labelnames=labelnames,
             ))
+        self.kvstage_last_step_blocks = per_engine(self._counter_cls(
+            name="vllm:kvstage_d2h_last_step_blocks",
+            documentation="KV blocks kvstage copied device to host in the step a prompt "
+                          "completed (on TTFT's path; the rest ran while later chunks did).",
+            labelnames=labelnames,
+        ))
+        self.kvstage_wait = per_engine(self._counter_cls(
+            name="vllm:kvstage_d2h_wait_seconds",
+            documentation="Seconds prompts' last steps waited for their d2h (on TTFT's "
+                          "path).",
+            labelnames=labelnames,
+        ))
         self.kvstage_copy_failures = per_engine(self._counter_cls(
             name="vllm:kvstage_copy_failures",
             documentation="kvstage KV copies (d2h or h2d) that raised.",
@@ -169,6 +196,10 @@ class KVStagePromMetrics(NixlPromMetrics):
                 self.kvstage_blocks[d][engine_idx].inc(n)
             for s in transfer_stats_data.get(f"kvstage_{d}_seconds", ()):
                 self.kvstage_time[d][engine_idx].observe(s)
+        for n in transfer_stats_data.get(LAST_STEP_KEY, ()):
+            self.kvstage_last_step_blocks[engine_idx].inc(n)
+        for s in transfer_stats_data.get(WAIT_KEY, ()):
+            self.kvstage_wait[engine_idx].inc(s)
         for n in transfer_stats_data.get("kvstage_copy_failures", ()):
             self.kvstage_copy_failures[engine_idx].inc(n)
 

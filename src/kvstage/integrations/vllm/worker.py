@@ -20,6 +20,7 @@ from vllm.logger import init_logger
 from vllm.utils.gpu_sync_debug import gpu_sync_allowed
 
 from kvstage.integrations.vllm import checksums, lease, secure, secure_handshake
+from kvstage.integrations.vllm.chunk_saves import WorkerSaves
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
@@ -76,6 +77,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # Both sides must stage through kvstage's buffers: the check is not optional.
         self.enforce_compat_hash = True
         self._copier: EngineCopyOp | None = None
+        self._kvstage_saves: WorkerSaves | None = None  # prefill's d2h (chunk_saves.py)
         #: kvstage's copies since vLLM last asked for stats (`stats.with_copies`)
         self.kvstage_copies = KVStageStats()
         self._kvstage_checksums = checksums.WorkerChecksums(self._kvstage.verify_checksum)
@@ -97,6 +99,7 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # vLLM's model runner installs its copy op later on GPU platforms, never on CPU:
         # set ours now (metered: stats.py), so the path is complete whatever the platform.
         self.copy_blocks = MeteredCopy(self._copier, self.kvstage_copies)
+        self._kvstage_saves = WorkerSaves(self._copier, self.kvstage_copies)
         kernel_blocks = max(t.shape[0] // config.num_blocks for t in kv_caches.values())
         self._kvstage_checksums.attach(
             self._copier.engine.host.tensor_views, kernel_blocks,
@@ -116,15 +119,20 @@ class KVStageConnectorWorker(NixlConnectorWorker):
 
     # d2h and h2d of LOGICAL block ids, the scheduler's (``local_block_ids``: vLLM's worker
     # would expand attention groups to kernel ids and flatten them with state groups'
-    # logical ids, two index spaces once a block is split; state.py); the opt-in checksum
-    # (checksums.py) digests after the save and verifies before the h2d
+    # logical ids, two index spaces once a block is split; state.py); the d2h queued chunk
+    # by chunk, a prompt's waited for at its last step (chunk_saves.py); the opt-in
+    # checksum (checksums.py) digests then and verifies before the h2d
     def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
-        if not metadata.reqs_to_save:
+        final = getattr(metadata, "saves_final", {})
+        dropped = getattr(metadata, "saves_dropped", ())
+        if not (metadata.reqs_to_save or final or dropped):
             return  # vLLM calls this every step; most steps save nothing
-        with gpu_sync_allowed():  # synchronous, as vLLM's
-            copy_logical(self, "d2h", [[b for g in m.local_block_ids for b in g]
-                                       for m in metadata.reqs_to_save.values()])
-        self._kvstage_checksums.after_save(metadata)
+        assert self._kvstage_saves is not None
+        with gpu_sync_allowed():  # a prompt's last step waits for its saves, as vLLM's
+            self._kvstage_saves.save(
+                {rid: [b for g in m.local_block_ids for b in g]
+                 for rid, m in metadata.reqs_to_save.items()}, final, dropped)
+        self._kvstage_checksums.after_save(final)
 
     def sync_recved_kv_to_device(self, req_id: str, meta: Any) -> None:
         if self._kvstage_checksums.verify([req_id], {req_id: meta}):
@@ -150,6 +158,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     def _read_blocks_for_req(self, req_id: str, meta: Any) -> None:
         why = self._kvstage_leases.refusal(req_id, meta, self._engine_clock_offset)
         if why is None:
+            if self._kvstage_saves is not None:  # no late save over what the READ writes
+                self._kvstage_saves.drain()
             super()._read_blocks_for_req(req_id, meta)
             return
         lease.WorkerLeases.log(req_id, meta.remote.engine_id, why)
