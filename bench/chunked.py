@@ -16,11 +16,20 @@ matters most). Per iteration, in rotating order:
 ``hidden %`` = (sequential - overlapped) / d2h: the share of the d2h that no longer adds
 to the prefill's time. The last chunk's save has nothing after it to hide behind, so the
 most that can hide is ``max %`` = 1 - (last chunk's d2h / d2h).
+
+Alone (the saves only, no NIXL: what a GPU check can run in seconds; the vLLM connector's
+saves run on the same `SaveQueue`)::
+
+    python -m bench.chunked [--device cuda] [--preset llama-3.1-8b] [--sizes-mib 8,32,128]
+                            [--iters 7] [--warmup 2] [--json OUT.json]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from itertools import pairwise
@@ -160,3 +169,44 @@ def _size(prefill: PrefillWorker, compute: _Compute, mib: int, ids: list[list[in
         "max_pct": 100 * max(0.0, 1 - last * 1e3 / d2h),
         "samples_ms": got,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvstage.bench.report import print_table
+    from kvstage.presets import preset
+
+    p = argparse.ArgumentParser(description="incremental prefill saves, alone")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--sizes-mib", default="8,16,32,64,128")
+    p.add_argument("--iters", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None)
+    a = p.parse_args(argv)
+    try:
+        sizes = sorted({int(x) for x in a.sizes_mib.split(",") if x})
+    except ValueError:
+        p.error(f"--sizes-mib: comma-separated integers, got {a.sizes_mib!r}")
+    if not sizes or sizes[0] < 1 or sizes[-1] > 4096 or a.iters < 1 or a.warmup < 0:
+        p.error("--sizes-mib in [1, 4096], --iters >= 1, --warmup >= 0")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device")
+    probe = preset(a.preset, num_blocks=2)
+    blocks = {s: max(1, (s << 20) // probe.block_bytes) for s in sizes}
+    layout = preset(a.preset, num_blocks=layout_blocks(probe, blocks[sizes[-1]]))
+    rows = measure(layout, blocks, iters=a.iters, warmup=a.warmup, device=a.device)
+    print_table(rows, COLUMNS, markdown=True, title="")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"argv": sys.argv, "device": a.device, "preset": a.preset,
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+def layout_blocks(probe: KVLayout, per_group: int) -> int:
+    """A pool for one request of ``per_group`` blocks in every group, plus the null block."""
+    return probe.num_groups * per_group + 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
