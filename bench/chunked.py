@@ -70,10 +70,10 @@ def chunk_ranges(num_blocks: int, block_size: int) -> list[tuple[int, int]]:
 class _Compute:
     """The forward-pass stand-in: ``reps`` fp32 matmuls on the cache's device."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, n: int = MATMUL_N) -> None:
         gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(MATMUL_N, MATMUL_N, generator=gen).to(device)
-        self.b = torch.randn(MATMUL_N, MATMUL_N, generator=gen).to(device)
+        self.a = torch.randn(n, n, generator=gen).to(device)
+        self.b = torch.randn(n, n, generator=gen).to(device)
         self.cuda = device.type == "cuda"
         self.reps = 1
 
@@ -102,7 +102,7 @@ def _median(fn: Callable[[], Any], cuda: bool, n: int) -> float:
 
 
 def measure(layout: KVLayout, sizes_blocks: dict[int, int], *, iters: int, warmup: int,
-            device: str = "cpu") -> list[dict[str, Any]]:
+            device: str = "cpu", matmul_n: int = MATMUL_N) -> list[dict[str, Any]]:
     """One row per size (MiB -> blocks per group); see the module doc."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the save thread and the compute each get one core
@@ -111,7 +111,7 @@ def measure(layout: KVLayout, sizes_blocks: dict[int, int], *, iters: int, warmu
     rows = []
     try:
         with PrefillWorker(cache, make_transport("loopback", "bench-saves")) as prefill:
-            compute = _Compute(cache.device)
+            compute = _Compute(cache.device, matmul_n)
             pool = BlockPool(layout.num_blocks)
             for mib, nblocks in sizes_blocks.items():
                 ids = [pool.allocate(nblocks) for _ in range(layout.num_groups)]
@@ -181,25 +181,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes-mib", default="8,16,32,64,128")
     p.add_argument("--iters", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--matmul-n", type=int, default=MATMUL_N,
+                   help="the compute stand-in's matrix size (a GPU needs ~2048 to be "
+                   "bound by the matmuls, not their launches)")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     try:
         sizes = sorted({int(x) for x in a.sizes_mib.split(",") if x})
     except ValueError:
         p.error(f"--sizes-mib: comma-separated integers, got {a.sizes_mib!r}")
-    if not sizes or sizes[0] < 1 or sizes[-1] > 4096 or a.iters < 1 or a.warmup < 0:
-        p.error("--sizes-mib in [1, 4096], --iters >= 1, --warmup >= 0")
+    if (not sizes or sizes[0] < 1 or sizes[-1] > 4096 or a.iters < 1 or a.warmup < 0
+            or not 16 <= a.matmul_n <= 8192):
+        p.error("--sizes-mib in [1, 4096], --iters >= 1, --warmup >= 0, --matmul-n in "
+                "[16, 8192]")
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: torch sees no CUDA device")
     probe = preset(a.preset, num_blocks=2)
     blocks = {s: max(1, (s << 20) // probe.block_bytes) for s in sizes}
     layout = preset(a.preset, num_blocks=layout_blocks(probe, blocks[sizes[-1]]))
-    rows = measure(layout, blocks, iters=a.iters, warmup=a.warmup, device=a.device)
+    rows = measure(layout, blocks, iters=a.iters, warmup=a.warmup, device=a.device,
+                   matmul_n=a.matmul_n)
     print_table(rows, COLUMNS, markdown=True, title="")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"argv": sys.argv, "device": a.device, "preset": a.preset,
-                       "rows": rows}, f, indent=1)
+                       "matmul_n": a.matmul_n, "rows": rows}, f, indent=1)
     return 0
 
 
