@@ -4,20 +4,20 @@
 
 Two prefill api_servers (KVStageConnector, ``kv_producer``) of one KV-heavy tiny Llama
 (`build_kv_heavy_llama`: 8 layers of 4 KV heads x 128, float32, 32 KiB of KV per token;
-little compute per byte, so the copy is a visible share of a step) run side by side: one
-with ``kvstage_save_by_chunk`` true (each chunk's completed blocks copied in the
-background while later chunks compute), one with it false (the whole prompt copied in
-its last step). Both share ``--cores``; their forward pass runs on the first (one OMP
-thread bound to it), so the other is what a background copy can use (on a GPU, the copy
-engine). Prompts of ``--chunks`` x ``--chunk-tokens`` tokens (``max_num_batched_tokens``
-is the chunk), random ids, one request in flight, the two servers alternated and the
-order rotated each round, ``--rounds`` rounds per prompt length after one warm-up each.
-Each request is a P/D prefill (``max_tokens: 1``, ``do_remote_decode``): its latency is
-the prefill's TTFT; nobody READs, so ``kv_lease_duration`` is short and the pool holds
-many prompts. Per server and length, from the client and the server's ``/metrics``
-(deltas over the length's rounds, flushed by one plain request): mean TTFT, and per
-request the d2h blocks, the blocks its last step copied, the seconds that step waited
-for its d2h (``vllm:kvstage_d2h_wait_seconds``) and the copies' own seconds. Writes
+little compute per byte, so the copy is as large a share of a step as a tiny model allows)
+run side by side on ``--core`` (default the last; the client runs on the others): one
+with ``kvstage_save_by_chunk`` true (each step copies the blocks it completed, the
+prompt's last step only its own chunk's), one with it false (the whole prompt copied in
+its last step). Prompts of ``--chunks`` x ``--chunk-tokens`` - 1 tokens
+(``max_num_batched_tokens`` is the chunk), random ids, one request in flight, the two
+servers alternated and the order rotated each round, ``--rounds`` rounds per prompt length
+after one warm-up each. Each request is a P/D prefill (``max_tokens: 1``,
+``do_remote_decode``): its latency is the prefill's TTFT; nobody READs, so each prompt is
+held for ``--lease`` seconds and the pool holds ``--pool-prompts`` of the longest. Per
+server and length, from the client and the server's ``/metrics`` (deltas over the length's
+rounds, flushed by one plain request): median TTFT and its range, and per request the d2h
+blocks, the blocks its last step copied, the seconds that step waited for its d2h
+(``vllm:kvstage_d2h_wait_seconds``) and the copies' own seconds. Writes
 ``<out>/save_by_chunk.json`` and ``.md``; logs under ``<out>/logs``. Bad arguments: one
 line, exit 2.
 """
@@ -56,25 +56,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunks", default="1,8,32", help="prompt lengths in chunks, e.g. 1,8,32")
     p.add_argument("--chunk-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--cores", default=",".join(map(str, sorted(os.sched_getaffinity(0)))),
-                   help="cores both servers may use; the forward runs on the first")
+    p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)),
+                   help="the core both servers run on (the client runs on the others)")
+    p.add_argument("--lease", type=int, default=2,
+                   help="kv_lease_duration (s): how long nobody's READ holds each prompt")
+    p.add_argument("--pool-prompts", type=int, default=12,
+                   help="KV pool size, in prompts of the longest length")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     try:
         a.chunks = [int(c) for c in a.chunks.split(",") if c]
-        a.cores = [int(c) for c in a.cores.split(",") if c]
     except ValueError:
-        p.error(f"--chunks and --cores: comma-separated integers, got {a.chunks!r} and "
-                f"{a.cores!r}")
+        p.error(f"--chunks: comma-separated integers, got {a.chunks!r}")
     if not a.chunks or any(not 1 <= c <= 64 for c in a.chunks):
         p.error(f"--chunks: numbers in [1, 64], got {a.chunks}")
     if not 32 <= a.chunk_tokens <= 512 or a.chunk_tokens % 32:
         p.error(f"--chunk-tokens: a multiple of 32 (the block size) in [32, 512], got "
                 f"{a.chunk_tokens}")
-    if a.rounds < 1:
-        p.error(f"--rounds: at least 1, got {a.rounds}")
-    if not a.cores or not set(a.cores) <= os.sched_getaffinity(0):
-        p.error(f"--cores {a.cores}: expected cores this process may use "
+    if a.rounds < 1 or not 1 <= a.lease <= 600 or not 2 <= a.pool_prompts <= 64:
+        p.error(f"--rounds >= 1, --lease in [1, 600], --pool-prompts in [2, 64]; got "
+                f"{a.rounds}, {a.lease}, {a.pool_prompts}")
+    if a.core not in os.sched_getaffinity(0):
+        p.error(f"--core {a.core}: expected a core this process may use "
                 f"({sorted(os.sched_getaffinity(0))})")
     return a
 
@@ -92,22 +95,21 @@ def build_kv_heavy_llama(path: Path) -> Path:
 
 def start(model: str, args: argparse.Namespace, logs: Path) -> list[Instance]:
     longest = max(args.chunks) * args.chunk_tokens
-    # the pool holds ~4 longest prompts: nobody READs, each is held for the 2 s lease
+    # nobody READs: each prompt is held for the lease (--lease), the pool sized to match
     engine = EngineArgs(dtype="float32", max_model_len=longest + 32,
                         max_num_batched_tokens=args.chunk_tokens, max_num_seqs=4,
-                        block_size=32, kv_cache_memory_bytes=4 * longest * KV_PER_TOKEN,
+                        block_size=32,
+                        kv_cache_memory_bytes=args.pool_prompts * longest * KV_PER_TOKEN,
                         enforce_eager=True, enable_prefix_caching=False, seed=0)
     ports = free_ports(2 * len(SERVERS))
-    first = str(args.cores[0])
     servers = []
     for i, (name, by_chunk) in enumerate(SERVERS.items()):
         kv = connector_config("kvstage", "kv_producer", device="cpu", policy="fail", extra={
-            "kvstage_save_by_chunk": by_chunk, "kv_lease_duration": 2})
+            "kvstage_save_by_chunk": by_chunk, "kv_lease_duration": args.lease})
         servers.append(api_server_instance(
             name, "prefill", model, port=ports[i], log_dir=logs, engine_args=engine,
-            kv_config=kv, device="cpu", cores=tuple(args.cores),
-            side_channel_port=ports[len(SERVERS) + i],
-            env={"VLLM_CPU_OMP_THREADS_BIND": first, "OMP_NUM_THREADS": "1"}))
+            kv_config=kv, device="cpu", cores=(args.core,),
+            side_channel_port=ports[len(SERVERS) + i]))
     for s in servers:
         s.spawn()
     for s in servers:
@@ -155,7 +157,7 @@ def measure(servers: list[Instance], n_chunks: int, args: argparse.Namespace,
         n = d["vllm:kvstage_d2h_time_seconds_count"]
         assert n == args.rounds, f"{s.name}: {n} d2h records for {args.rounds} requests"
         out[s.name] = {
-            "ttft_ms": 1e3 * float(np.mean(ttft[i])),
+            "ttft_ms": 1e3 * float(np.median(ttft[i])),
             "ttft_ms_each": [round(1e3 * t, 2) for t in ttft[i]],
             "d2h_blocks": d["vllm:kvstage_d2h_blocks_total"] / n,
             "last_step_blocks": d["vllm:kvstage_d2h_last_step_blocks_total"] / n,
@@ -175,13 +177,16 @@ def flush(servers: list[Instance], model: str) -> None:
 
 
 def table(results: dict[int, dict[str, dict[str, Any]]], chunk_tokens: int) -> str:
-    lines = ["| prompt | server | TTFT ms | x once | d2h blocks | last-step blocks | "
-             "last-step d2h wait ms | d2h copy ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| prompt | server | TTFT ms (median) | x once | TTFT range ms | d2h blocks | "
+             "last-step blocks | last-step d2h wait ms | d2h copy ms |",
+             "|---|---|---:|---:|---|---:|---:|---:|---:|"]
     for n, rows in results.items():
         once = rows["once"]["ttft_ms"]
         for name, r in rows.items():
+            each = r["ttft_ms_each"]
             lines.append(f"| {n} x {chunk_tokens} - 1 | {name} | {r['ttft_ms']:.1f} | "
-                         f"{r['ttft_ms'] / once:.3f} | {r['d2h_blocks']:.0f} | "
+                         f"{r['ttft_ms'] / once:.3f} | {min(each):.0f}-{max(each):.0f} | "
+                         f"{r['d2h_blocks']:.0f} | "
                          f"{r['last_step_blocks']:.0f} | {r['wait_ms']:.2f} | "
                          f"{r['copy_ms']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -194,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_kv_heavy_llama(out / "models" / "kv-heavy-llama"))
     rng = np.random.default_rng(args.seed)
     started = time.monotonic()
+    others = os.sched_getaffinity(0) - {args.core}
+    if others:  # the client off the servers' core
+        os.sched_setaffinity(0, others)
     servers = start(model, args, out / "logs")
     try:
         results = {n: measure(servers, n, args, rng) for n in args.chunks}

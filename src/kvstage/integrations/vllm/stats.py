@@ -60,8 +60,8 @@ DIRECTIONS = ("d2h", "h2d")
 #: per prefill request, the blocks its prompt's last step copied (on TTFT's path; the
 #: others were copied in the background while later chunks ran: `chunk_saves`)
 LAST_STEP_KEY = "kvstage_d2h_last_step_blocks"
-#: per prefill request, the seconds its prompt's last step waited for its saves (the d2h
-#: on TTFT's path: the last chunk's copy and any earlier one still running)
+#: per prefill request, the seconds its prompt's last step spent on its d2h (the d2h on
+#: TTFT's path: the last chunk's copy, and any earlier one still running on CUDA)
 WAIT_KEY = "kvstage_d2h_wait_seconds"
 #: the keys kvstage adds to vLLM's NIXL stats dict (lists, one entry per copy call)
 COPY_KEYS = tuple(
