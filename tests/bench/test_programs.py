@@ -48,3 +48,22 @@ def test_program_help(name: str, monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("name", sorted(set(MODULES) - set(PROGRAMS)))
 def test_part_imports(name: str) -> None:
     assert _import(name).__doc__  # each part states its contract at the top
+
+
+@pytest.mark.parametrize(("name", "argv", "says"), [
+    ("save_by_chunk", ["--chunks", "1,x"], "--chunks: comma-separated integers"),
+    ("save_by_chunk", ["--chunks", "0"], "--chunks: numbers in [1, 64]"),
+    ("save_by_chunk", ["--chunk-tokens", "100"], "a multiple of 32"),
+    ("save_by_chunk", ["--lease", "0"], "--lease in [1, 600]"),
+    ("save_by_chunk", ["--core", "4096"], "--core 4096: expected a core"),
+    ("chunked", ["--sizes-mib", "8,y"], "--sizes-mib: comma-separated integers"),
+    ("chunked", ["--matmul-n", "4"], "--matmul-n in [16, 8192]"),
+])
+def test_bad_arguments_one_line_exit_2(name: str, argv: list[str], says: str,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    module = _import(name)
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)  # type: ignore[attr-defined]
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert says in err[-1] and not any("Traceback" in line for line in err)
