@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from bench.stream import post, stream_times
+from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, metric_total, served_model
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
@@ -72,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
+                   metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
+                   "deployment (VALUE read as JSON if it parses, as serve-pd's); repeatable")
     a = p.parse_args(argv)
     attach = [a.router, a.prefill, a.decode]
     if any(attach) and not all(attach):
@@ -209,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             order = args.connectors[rnd % 2:] + args.connectors[:rnd % 2]
             for connector in order:
+                extra = dict(args.kv_extra) if connector == "kvstage" else None
                 with PDCluster(model=model, connector=connector, log_dir=out / "logs",
-                               start_timeout=600.0, engine_args=TINY_CPU_ENGINE_ARGS) as c:
+                               start_timeout=600.0, engine_args=TINY_CPU_ENGINE_ARGS,
+                               extra_kv_config=extra or None) as c:
                     urls = {"router": c.router_url, "prefill": c.prefills[0].url,
                             "decode": c.decodes[0].url}
                     runs.append({**measure(connector, urls, args), "round": rnd})

@@ -10,7 +10,8 @@
 #   4. the decode pipeline and the queued prefill saves on CUDA (copy streams + events):
 #      their gpu tests run in step 2; `python -m bench.transfer --pipeline --device cuda`
 #      (needs nixl-cu12, installed best effort) writes pipeline.json/png: sequential vs
-#      pipelined decode time, and the d2h hidden behind a matmul stand-in at prefill
+#      pipelined decode time, and the d2h hidden behind a matmul stand-in at prefill;
+#      the saves alone (`python -m bench.chunked --device cuda`) run without NIXL
 #   5. a short table of every timing, printed last
 # Every step runs under `timeout`; a failed step is recorded and the next still runs.
 #
@@ -157,6 +158,10 @@ step op-counts 45 "${BENCH[@]}" --blocks-per-request 6 --groups 1 2 3 6 --op-cou
     --no-timing --json "$OUT_DIR/op_counts.json"
 step memory-gemma 45 "${BENCH[@]}" --preset gemma-3-1b --memory --no-timing --direction h2d \
     --json "$OUT_DIR/memory_gemma.json"
+# the prefill's background saves alone (no NIXL): SaveQueue's copy stream, which the vLLM
+# connector's chunk_saves uses on CUDA; 2048x2048 matmuls keep the stand-in GPU-bound
+step saves 60 "$PY" -m bench.chunked --device cuda --matmul-n 2048 --sizes-mib 32,128,512 \
+    --json "$OUT_DIR/saves.json"
 if ! "$PY" -c 'import nixl_cu12' 2>/dev/null; then
     RESULTS+=("pipeline: SKIPPED (no nixl-cu12: its wheel is over what a device call carries)")
 else step pipeline 120 "$PY" -m bench.transfer --pipeline --device cuda \

@@ -19,7 +19,7 @@ from kvstage.integrations.vllm.config import KEYS, KNOWN, KVStageConfig
 def test_defaults() -> None:
     assert KVStageConfig.parse(None) == KVStageConfig(
         force_host_buffer=False, key_file=None, allow_unauthenticated=False,
-        verify_checksum=False, lease_margin_s=7.0, progress_delay_us=1000, log_reads=False,
+        verify_checksum=False, lease_margin_s=7.0, progress_delay_us=20_000, log_reads=False,
         lease_duration_s=30.0)
 
 

@@ -106,6 +106,16 @@ _MAMBA_TYPES = {
     "SHORT_CONV": "short_conv", "LINEAR": "linear_attention",
 }
 SUPPORTED_SPECS = (*_ATTENTION_SPECS, "MambaSpec (" + ", ".join(_MAMBA_TYPES) + ")")
+#: the specs whose blocks never change once full and stay the request's until it ends (or
+#: leave the transfer, a sliding window's, as vLLM's clip says): saved as they complete
+#: (`prompt_saves`); the rest (state, chunked-local attention) at the prompt's end
+_SAVED_BY_CHUNK = {"FullAttentionSpec", "SinkFullAttentionSpec", "MLAAttentionSpec",
+                   "SlidingWindowSpec"}
+
+
+def saved_by_chunk(vllm_spec: Any) -> bool:
+    """Whether a group of ``vllm_spec`` (vLLM's spec object) is saved chunk by chunk."""
+    return type(vllm_spec).__name__ in _SAVED_BY_CHUNK
 
 
 def unsupported(vllm_spec: Any, model: str) -> str | None:

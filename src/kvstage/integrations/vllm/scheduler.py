@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 
 from kvstage.integrations.vllm import checksums, lease, request_params, secure, secure_handshake
 from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.copies import saved_by_chunk
 from kvstage.integrations.vllm.prompt_saves import PromptSaves
 from kvstage.integrations.vllm.request_params import RequestParams
 
@@ -219,14 +220,11 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
 
 
 def _save_groups(config: KVCacheConfig) -> list[int | None]:
-    """`PromptSaves`' block sizes: tokens per block of each full or sliding-window
-    attention group (saved chunk by chunk), None for the rest (state groups: saved at the
-    prompt's end). All None when vLLM transfers only some groups (not asked of it)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
-
+    """`PromptSaves`' block sizes: tokens per block of each group saved chunk by chunk
+    (`copies.saved_by_chunk`: full and sliding-window attention), None for the rest (state
+    groups: saved at the prompt's end). All None when vLLM transfers only some groups."""
     groups = config.kv_cache_groups
     if len(config.transfer_group_ids) != len(groups):
         return [None] * len(groups)
-    return [g.kv_cache_spec.block_size
-            if isinstance(g.kv_cache_spec, FullAttentionSpec | SlidingWindowSpec) else None
+    return [g.kv_cache_spec.block_size if saved_by_chunk(g.kv_cache_spec) else None
             for g in groups]
