@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import post, stream_times
+from bench.stream import first_and_gaps, post, write_results
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, served_model, single_instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                                       "kv_transfer_params": PREFILL_REQUEST_PARAMS})
                     params = json.loads(resp.read(1 << 20))["kv_transfer_params"]
                     url, body = decode_url, {**body, "kv_transfer_params": params}
-                chunks, _ = stream_times(url, body, start)
-                return chunks[0], list(np.diff(chunks))
+                return first_and_gaps(url, body, start)
 
             for url in urls.values():
                 for _ in range(2):
@@ -111,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['gaps']} |")
     text = "\n".join(lines) + "\n"
     print(text, flush=True)
-    meta = {"argv": sys.argv, "args": vars(args), "wall_s": round(time.monotonic() - started)}
-    (out / "decode_itl.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (out / "decode_itl.md").write_text(text)
+    write_results(out, "decode_itl", text, args, started, {"rows": rows})
     return 0
 
 

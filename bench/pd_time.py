@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import post, stream_times
+from bench.stream import post, stream_times, write_results
 from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, metric_total, served_model
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
@@ -222,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append({**measure(connector, urls, args), "round": rnd})
     text = "\n".join(table(r["name"], p, r["first"] if i == 0 else None)
                      for r in runs for i, p in enumerate(r["points"]))
-    meta = {"argv": sys.argv, "args": vars(args), "wall_s": round(time.monotonic() - started)}
-    (out / "pd_time.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
-    (out / "pd_time.md").write_text(text)
+    write_results(out, "pd_time", text, args, started, {"runs": runs})
     print(text)
     return 0
 

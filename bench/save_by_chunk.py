@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import post
+from bench.stream import client_off, post, write_results
 from kvstage.serving import metric_total, served_model
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
 from kvstage.serving.engine_args import EngineArgs
@@ -199,9 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_kv_heavy_llama(out / "models" / "kv-heavy-llama"))
     rng = np.random.default_rng(args.seed)
     started = time.monotonic()
-    others = os.sched_getaffinity(0) - {args.core}
-    if others:  # the client off the servers' core
-        os.sched_setaffinity(0, others)
+    client_off(args.core)
     servers = start(model, args, out / "logs")
     try:
         results = {n: measure(servers, n, args, rng) for n in args.chunks}
@@ -210,11 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
     text = table(results, args.chunk_tokens)
     print(text, flush=True)
-    meta = {"argv": sys.argv, "args": vars(args), "kv_bytes_per_token": KV_PER_TOKEN,
-            "wall_s": round(time.monotonic() - started)}
-    (out / "save_by_chunk.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                       indent=1))
-    (out / "save_by_chunk.md").write_text(text)
+    write_results(out, "save_by_chunk", text, args, started, {"results": results},
+                  kv_bytes_per_token=KV_PER_TOKEN)
     return 0
 
 

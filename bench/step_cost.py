@@ -30,7 +30,6 @@ Bad arguments: one line, exit 2.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -39,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import stream_times
+from bench.stream import client_off, first_and_gaps, write_results
 from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
@@ -141,8 +140,7 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
     def request(url: str) -> tuple[float, list[float]]:
         body = {"model": model, "prompt": rng.integers(4, VOCAB_SIZE, size=args.input_len).tolist(),
                 "max_tokens": args.output_len, "temperature": 0.0, "ignore_eos": True}
-        chunks, _ = stream_times(url, body, time.perf_counter())
-        return chunks[0], list(np.diff(chunks))
+        return first_and_gaps(url, body)
 
     for s in servers:
         for _ in range(2):
@@ -194,10 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     started = time.monotonic()
     results: dict[str, list[dict[str, Any]]] = {}
-    # the client off the servers' core: its own CPU is not what is measured
-    others = os.sched_getaffinity(0) - {args.core}
-    if others:
-        os.sched_setaffinity(0, others)
+    client_off(args.core)
     for name in args.arrangements:
         kinds = ARRANGEMENTS[name]
         servers = start_servers(kinds, model, args.core, out / "logs" / name, args.extra)
@@ -208,11 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 s.stop()
         print(table(name, results[name]), flush=True)
     text = "\n".join(table(n, rows) for n, rows in results.items())
-    meta = {"argv": sys.argv, "args": {k: v for k, v in vars(args).items()},
-            "wall_s": round(time.monotonic() - started)}
-    (out / "step_cost.json").write_text(json.dumps({"meta": meta, "results": results},
-                                                   indent=1))
-    (out / "step_cost.md").write_text(text)
+    write_results(out, "step_cost", text, args, started, {"results": results})
     return 0
 
 

@@ -1,19 +1,30 @@
-"""A streamed /v1/completions call timed chunk by chunk (for pd_time and step_cost).
+"""What the benches against api_servers share: a streamed /v1/completions call timed chunk
+by chunk, the client's placement, the output files.
 
 `post(url, body)`: the open HTTP response of one POST (RuntimeError, one line, unless 200).
 `stream_times(url, body, start)`: ``perf_counter() - start`` of every ``data: {...}`` chunk
 of a streamed completion (the first is the client's TTFT, the gaps its inter-token
 latencies: vLLM streams one chunk per generated token), then of the last byte.
+`first_and_gaps(url, body, start)`: that TTFT and those gaps.
 Every socket operation is bounded by `TIMEOUT_S`.
+`client_off(core)`: this process off ``core`` (the servers' one), when it has others.
+`write_results(out, stem, text, args, started, payload)`: ``<out>/<stem>.md`` (``text``)
+and ``<out>/<stem>.json`` (``payload`` and a ``meta`` of argv, args and wall seconds).
 """
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
+import os
+import sys
 import time
 import urllib.parse
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 TIMEOUT_S = 120.0
 
@@ -41,3 +52,25 @@ def stream_times(url: str, body: dict[str, Any], start: float) -> tuple[list[flo
     if not chunks:
         raise RuntimeError(f"{url}: a stream without a token")
     return chunks, end
+
+
+def first_and_gaps(url: str, body: dict[str, Any], start: float | None = None
+                   ) -> tuple[float, list[float]]:
+    """TTFT (from ``start``, default now) and the gaps between streamed tokens."""
+    chunks, _ = stream_times(url, body, time.perf_counter() if start is None else start)
+    return chunks[0], [float(g) for g in np.diff(chunks)]
+
+
+def client_off(core: int) -> None:
+    """Run this process off ``core`` (the servers'): its own CPU is not what is measured."""
+    others = os.sched_getaffinity(0) - {core}
+    if others:
+        os.sched_setaffinity(0, others)
+
+
+def write_results(out: Path, stem: str, text: str, args: argparse.Namespace, started: float,
+                  payload: dict[str, Any], **extra: Any) -> None:
+    meta = {"argv": sys.argv, "args": vars(args), **extra,
+            "wall_s": round(time.monotonic() - started)}
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, **payload}, indent=1))
+    (out / f"{stem}.md").write_text(text)

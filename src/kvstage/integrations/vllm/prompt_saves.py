@@ -71,9 +71,6 @@ class PromptSaves:
     def __contains__(self, rid: object) -> bool:
         return rid in self._prompts
 
-    def __len__(self) -> int:
-        return len(self._prompts)
-
     def add(self, rid: str) -> None:
         """``rid`` (re)scheduled: its blocks follow in the step's scheduler output."""
         self._prompts.setdefault(rid, _Prompt())
