@@ -119,9 +119,10 @@ class KVStageConnectorWorker(NixlConnectorWorker):
 
     # d2h and h2d of LOGICAL block ids, the scheduler's (``local_block_ids``: vLLM's worker
     # would expand attention groups to kernel ids and flatten them with state groups'
-    # logical ids, two index spaces once a block is split; state.py); the d2h queued chunk
-    # by chunk, a prompt's waited for at its last step (chunk_saves.py); the opt-in
-    # checksum (checksums.py) digests then and verifies before the h2d
+    # logical ids, two index spaces once a block is split; state.py); the d2h chunk by
+    # chunk (copied in the step on CPU, queued on CUDA), a prompt's complete at its last
+    # step (chunk_saves.py); the opt-in checksum (checksums.py) digests then and verifies
+    # before the h2d
     def save_kv_to_host(self, metadata: NixlConnectorMetadata) -> None:
         final = getattr(metadata, "saves_final", {})
         dropped = getattr(metadata, "saves_dropped", ())
