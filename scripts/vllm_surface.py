@@ -52,6 +52,13 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     (NIXL, "NixlConnector.get_transfer_results", "method"),  # + checksum failures
     (NIXL, "NixlConnector.wait_for_save", "method"),  # calls the worker's save_kv_to_host
     (NIXL, "NixlConnector.build_connector_worker_meta", "method"),  # checksums' digests
+    # timed by hook_time.time_hooks (called through with whatever vLLM passes)
+    *((NIXL, f"NixlConnector.{hook}", "method") for hook in (
+        "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
+        "on_new_request", "update_connector_output", "request_finished",
+        "request_finished_all_groups", "bind_connector_metadata", "start_load_kv",
+        "get_block_ids_with_load_errors", "get_kv_connector_kv_cache_events",
+        "clear_connector_metadata")),
     (NIXL, "NixlConnector.connector_worker", "attr"),
     (NIXL, "NixlConnector.connector_scheduler", "attr"),
     (NIXL, "NixlConnector.engine_id", "attr"),

@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E
 )
 
 from kvstage.integrations.vllm.copy_op import copy_blocks  # noqa: E402
+from kvstage.integrations.vllm.hook_time import HOOK_KEY  # noqa: E402
 from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
 from kvstage.integrations.vllm.stats import (  # noqa: E402
     KVStagePromMetrics,
@@ -151,5 +152,18 @@ def test_prometheus_metrics_carry_exact_values() -> None:
     assert reg.get_sample_value("vllm:kvstage_h2d_time_seconds_count", labels) == 1
     assert reg.get_sample_value("vllm:kvstage_h2d_time_seconds_sum", labels) == 0.002
     assert reg.get_sample_value("vllm:kvstage_copy_failures_total", labels) == 1
+    # hook times (hook_time.py): per hook, seconds and calls, summed over flushes
+    stats = KVStageStats()
+    stats.data[HOOK_KEY] = [["worker.start_load_kv", 0.25, 3], ["scheduler.build_connector_meta",
+                                                              0.5, 4]]
+    prom.observe(stats.to_dict(), 0)
+    prom.observe(stats.to_dict(), 0)
+    hook = {**labels, "hook": "worker.start_load_kv"}
+    assert reg.get_sample_value("vllm:kvstage_hook_seconds_total", hook) == 0.5
+    assert reg.get_sample_value("vllm:kvstage_hook_calls_total", hook) == 6
+    assert reg.get_sample_value("vllm:kvstage_hook_calls_total",
+                                {**labels, "hook": "scheduler.build_connector_meta"}) == 8
+    assert stats.reduce()["kvstage hook time (ms)"] == 750.0
+    assert not stats.is_empty()  # hook times alone are shipped
     # vLLM's NIXL metrics are still registered (inherited)
     assert reg.get_sample_value("vllm:nixl_bytes_transferred_count", labels) == 0

@@ -103,3 +103,20 @@ def metric_total(url: str, name: str, timeout: float = 10.0) -> float:
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def metric_by_label(url: str, name: str, label: str, timeout: float = 10.0) -> dict[str, float]:
+    """Every sample of ``name`` in ``GET <url>/metrics`` summed by its ``label``'s value."""
+    status, body = http_get(url + "/metrics", timeout=timeout)
+    if status != 200:
+        raise ServingError(f"GET {url}/metrics answered {status}")
+    out: dict[str, float] = {}
+    for line in body.decode(errors="replace").splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        labels, value = line[len(name) + 1:].rsplit("} ", 1)
+        for pair in labels.split(","):
+            key, _, quoted = pair.partition("=")
+            if key == label:
+                out[quoted.strip('"')] = out.get(quoted.strip('"'), 0.0) + float(value)
+    return out

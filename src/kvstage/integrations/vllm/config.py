@@ -60,6 +60,8 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
     ("kvstage_save_by_chunk", "bool", "true", "true/false",
      "prefill: copy each chunk's completed blocks to the host while later chunks run "
      "(false: the whole prompt in its last step)"),
+    ("kvstage_time_hooks", "bool", "true", "true/false",
+     "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total)"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
      "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
 )
@@ -90,6 +92,7 @@ class KVStageConfig:
     progress_delay_us: int = PROGRESS_DELAY_US
     log_reads: bool = False
     save_by_chunk: bool = True
+    time_hooks: bool = True
     lease_duration_s: float = float(LEASE_DEFAULT_S)
 
     @classmethod
@@ -106,7 +109,8 @@ class KVStageConfig:
                            ("kvstage_allow_unauthenticated", "allow_unauthenticated"),
                            ("kvstage_verify_checksum", "verify_checksum"),
                            ("kvstage_log_reads", "log_reads"),
-                           ("kvstage_save_by_chunk", "save_by_chunk")):
+                           ("kvstage_save_by_chunk", "save_by_chunk"),
+                           ("kvstage_time_hooks", "time_hooks")):
             if key in extra:
                 value = _bool(extra[key])
                 if value is None:

@@ -75,6 +75,9 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   seconds and failures (kvstage's copy op is metered where kvstage installs it), joined
   when vLLM asks for the step's stats, so the periodic "KV Transfer metrics" log and
   ``/metrics`` (``vllm:kvstage_*``) show them.
+- Hook times (`hook_time`): every per-step hook vLLM calls here is timed (wall ns), the
+  totals reach ``/metrics`` about once a second (``vllm:kvstage_hook_seconds_total{hook}``,
+  ``..._calls_total``): the connector's own cost per engine step, on a running instance.
 - Settings: `config.KVStageConfig`, parsed once per connector (README "Connector settings");
   per-request fields: `request_params` (README "What travels per request").
 
@@ -104,6 +107,7 @@ from vllm.logger import init_logger
 
 from kvstage.integrations.vllm import checksums
 from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock, time_hooks
 from kvstage.integrations.vllm.scheduler import KVStageConnectorScheduler
 from kvstage.integrations.vllm.settings import HASH_PREFIX, KVSTAGE_PROTOCOL
 from kvstage.integrations.vllm.stats import (
@@ -141,8 +145,11 @@ SLEEP_MODE_REFUSAL = (
 )
 
 
+@time_hooks  # vllm:kvstage_hook_seconds_total: the connector's own cost per step
 class KVStageConnector(NixlConnector):
     """vLLM's NIXL (pull) connector with kvstage's host-buffer side; see the module doc."""
+
+    kvstage_clock: HookClock | None = None  # hook_time.py (None: hooks not timed)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -154,6 +161,8 @@ class KVStageConnector(NixlConnector):
         self.kvstage_config = KVStageConfig.from_vllm(vllm_config)  # once: refuses bad values
         if self.kvstage_config.verify_checksum:
             check_available()  # the install hint now, not at the first request
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        self.kvstage_clock = HookClock(side) if self.kvstage_config.time_hooks else None
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVStageConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
@@ -170,12 +179,20 @@ class KVStageConnector(NixlConnector):
         return None if worker is None else worker._kvstage_checksums.worker_meta()
 
     def get_kv_connector_stats(self) -> KVStageStats | None:
+        # hook times about once a second (hook_time.py), on both sides
+        hooks = None if self.kvstage_clock is None else self.kvstage_clock.take()
         worker = self.connector_worker
         if worker is None:
-            return None
+            if not hooks:
+                return None
+            stats = KVStageStats()
+            stats.data[HOOK_KEY] = hooks
+            return stats
         nixl = worker.get_kv_connector_stats()  # vLLM's figures of the step (and a reset)
         if self.kvstage_config.log_reads:
             log_reads(nixl, logger)
+        if hooks:
+            worker.kvstage_copies.data[HOOK_KEY].extend(hooks)
         return with_copies(nixl, worker.kvstage_copies)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

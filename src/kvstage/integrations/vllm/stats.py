@@ -19,8 +19,10 @@ only kvstage does, the copies between the device KV cache and the host buffers:
   ``vllm:kvstage_d2h_last_step_blocks_total`` (the blocks prompts' last steps copied) and
   ``vllm:kvstage_d2h_wait_seconds_total`` (how long those steps waited for their d2h),
   histograms ``vllm:kvstage_{d2h,h2d}_time_seconds`` (``_sum`` is the total copy time,
-  ``_count`` the number of copies: one per request on vLLM's host path) and the counter
-  ``vllm:kvstage_copy_failures_total``.
+  ``_count`` the number of copies: one per request on vLLM's host path), the counter
+  ``vllm:kvstage_copy_failures_total``, and per hook (label ``hook``) the counters
+  ``vllm:kvstage_hook_seconds_total`` / ``vllm:kvstage_hook_calls_total`` of `hook_time`
+  (the entries reach the stats about once a second, from either side).
 - `MeteredCopy`: wraps kvstage's copy op (vLLM's ``CopyBlocksOp`` signature), the worker's
   ``copy_blocks``, and records each call into the worker's own `KVStageStats` of copies;
   it re-raises a copy's error after counting it. vLLM's stats object (``xfer_stats``) is
@@ -56,6 +58,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
+from kvstage.integrations.vllm.hook_time import HOOK_KEY
+
 DIRECTIONS = ("d2h", "h2d")
 #: per prefill request, the blocks its prompt's last step copied (on TTFT's path; the
 #: others were copied in the background while later chunks ran: `chunk_saves`)
@@ -63,10 +67,11 @@ LAST_STEP_KEY = "kvstage_d2h_last_step_blocks"
 #: per prefill request, the seconds its prompt's last step spent on its d2h (the d2h on
 #: TTFT's path: the last chunk's copy, and any earlier one still running on CUDA)
 WAIT_KEY = "kvstage_d2h_wait_seconds"
-#: the keys kvstage adds to vLLM's NIXL stats dict (lists, one entry per copy call)
+#: the keys kvstage adds to vLLM's NIXL stats dict (lists: one entry per copy call, and
+#: `hook_time`'s [hook, seconds, calls] per hook about once a second)
 COPY_KEYS = tuple(
     f"kvstage_{d}_{what}" for d in DIRECTIONS for what in ("blocks", "bytes", "seconds")
-) + ("kvstage_copy_failures", LAST_STEP_KEY, WAIT_KEY)
+) + ("kvstage_copy_failures", LAST_STEP_KEY, WAIT_KEY, HOOK_KEY)
 
 
 def block_bytes(caches: Mapping[str, torch.Tensor]) -> int:
@@ -128,6 +133,7 @@ class KVStageStats(NixlKVConnectorStats):
         out["kvstage d2h last-step blocks"] = sum(self.data[LAST_STEP_KEY])
         out["kvstage d2h wait (ms)"] = round(sum(self.data[WAIT_KEY]) * 1e3, 3)
         out["kvstage copy failures"] = len(self.data["kvstage_copy_failures"])
+        out["kvstage hook time (ms)"] = round(sum(e[1] for e in self.data[HOOK_KEY]) * 1e3, 3)
         return out
 
 
@@ -186,6 +192,18 @@ class KVStagePromMetrics(NixlPromMetrics):
             documentation="kvstage KV copies (d2h or h2d) that raised.",
             labelnames=labelnames,
         ))
+        hook_labels = [*labelnames, "hook"]
+        self.kvstage_hook_seconds = self._counter_cls(
+            name="vllm:kvstage_hook_seconds",
+            documentation="Wall seconds the connector spent in each vLLM hook (its cost "
+                          "per engine step; hook: scheduler.<name> or worker.<name>).",
+            labelnames=hook_labels,
+        )
+        self.kvstage_hook_calls = self._counter_cls(
+            name="vllm:kvstage_hook_calls",
+            documentation="Calls vLLM made to each connector hook.",
+            labelnames=hook_labels,
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -202,6 +220,10 @@ class KVStagePromMetrics(NixlPromMetrics):
             self.kvstage_wait[engine_idx].inc(s)
         for n in transfer_stats_data.get("kvstage_copy_failures", ()):
             self.kvstage_copy_failures[engine_idx].inc(n)
+        labels = self.per_engine_labelvalues[engine_idx]
+        for hook, seconds, calls in transfer_stats_data.get(HOOK_KEY, ()):
+            self.kvstage_hook_seconds.labels(*labels, str(hook)).inc(seconds)
+            self.kvstage_hook_calls.labels(*labels, str(hook)).inc(calls)
 
 
 CopyOp = Callable[..., None]
