@@ -16,10 +16,22 @@ copied), so what differs between the servers is what the connector does on its o
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
 of one streamed request (``--input-len`` random ids, ``--output-len`` tokens) to each
 server in turn, one request in flight at a time, the order rotated every round, after two
-warm-up requests each. Per server: mean TTFT and ITL (the gaps between streamed tokens)
-and their ratio to the plain server's in the same arrangement; and the CPU time (utime +
-stime from ``/proc/<pid>/task/<tid>/stat``) every thread of its process group took over
-the measured rounds, by thread (its name, and for threads other than a process's main
+warm-up requests each, each request ``--settle-s`` after the last one ended: vLLM's worker
+busy-loops (``sched_yield``) for 1 s after its last step, and each server is its own
+session, so with the kernel's autogroup scheduling a server still spinning takes a fair
+share of the core from the next one measured (back to back, the server measured after
+vLLM's busy NIXL consumer's request competed with one spinning group, the others with
+two: the ``four`` ratios of before). ``--trials`` starts each arrangement afresh that many
+times, odd trials with the servers started and rotated in reverse order: two identical
+servers differ by a few percent, the later-started one slower in every run seen, so an
+even number of trials cancels what depends on position.
+
+Per server: mean and median TTFT and ITL (the gaps between streamed tokens) and their
+ratio to the plain server's of the same trial; for kvstage servers, the milliseconds per
+engine step the connector's hooks took, scheduler and worker side, from their own
+``vllm:kvstage_hook_*`` counters (`kvstage.integrations.vllm.hook_time`); and the CPU time
+(utime + stime from ``/proc/<pid>/task/<tid>/stat``) every thread of its process group took
+over the measured rounds, by thread (its name, and for threads other than a process's main
 one ``+N``, its id's offset from the process's: NIXL's and UCX's threads carry the
 process's name), so the difference can be attributed.
 
@@ -41,6 +53,7 @@ import numpy as np
 from bench.stream import client_off, first_and_gaps, write_results
 from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
+from kvstage.serving.client import metric_by_label
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
 from kvstage.serving.instances import Instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
@@ -60,6 +73,28 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
 }
 TICK = os.sysconf("SC_CLK_TCK")
+HOOK_SECONDS, HOOK_CALLS = "vllm:kvstage_hook_seconds_total", "vllm:kvstage_hook_calls_total"
+#: per side, the hook called once per engine step (its calls count the steps)
+STEP_HOOK = {"scheduler": "scheduler.build_connector_meta",
+             "worker": "worker.get_transfer_results"}
+
+
+def hook_totals(url: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The connector's hook seconds and calls so far, by hook (`hook_time`)."""
+    return metric_by_label(url, HOOK_SECONDS, "hook"), metric_by_label(url, HOOK_CALLS, "hook")
+
+
+def hook_ms_per_step(before: tuple[dict[str, float], dict[str, float]],
+                     after: tuple[dict[str, float], dict[str, float]]) -> dict[str, float]:
+    """Per side, the milliseconds of all its hooks over the steps between two totals."""
+    out = {}
+    for side, step_hook in STEP_HOOK.items():
+        steps = after[1].get(step_hook, 0.0) - before[1].get(step_hook, 0.0)
+        seconds = sum(v - before[0].get(h, 0.0) for h, v in after[0].items()
+                      if h.startswith(side + "."))
+        if steps > 0:
+            out[side] = round(1e3 * seconds / steps, 4)
+    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,6 +109,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
                    metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
                    "servers (VALUE read as JSON if it parses, as serve-pd's); repeatable")
+    p.add_argument("--settle-s", type=float, default=1.5,
+                   help="idle seconds before each request: vLLM's worker busy-loops "
+                   "(sched_yield) for 1 s after its last step, and a server still spinning "
+                   "takes a share of the core from the next one measured (0: back to back)")
+    p.add_argument("--trials", type=int, default=1,
+                   help="times each arrangement is started afresh and measured (two "
+                   "identical servers differ by a few percent for their whole life)")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     names = [n for n in a.arrangements.split(",") if n]
@@ -83,6 +125,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.core not in os.sched_getaffinity(0):
         p.error(f"--core {a.core} is not one this process may use "
                 f"({sorted(os.sched_getaffinity(0))})")
+    if not 0 <= a.settle_s <= 10:
+        p.error(f"--settle-s: expected seconds in [0, 10], got {a.settle_s}")
+    if not 1 <= a.trials <= 10:
+        p.error(f"--trials: expected 1..10, got {a.trials}")
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
         p.error("--rounds >= 1, --input-len in [1, 400], --output-len in [2, 100]")
     extra: dict[str, Any] = dict(a.kv_extra)
@@ -145,40 +191,86 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
     for s in servers:
         for _ in range(2):
             request(s.url)
+    time.sleep(args.settle_s)
+    timed = [i for i, kind in enumerate(kinds) if kind.startswith("kvstage")]
+    hooks0 = {i: hook_totals(servers[i].url) for i in timed}
     cpu0 = [thread_cpu(s.pid) for s in servers]
     ttft: list[list[float]] = [[] for _ in servers]
     itl: list[list[float]] = [[] for _ in servers]
     for r in range(args.rounds):
         for k in range(len(servers)):
             i = (k + r) % len(servers)
+            time.sleep(args.settle_s)
             first, gaps = request(servers[i].url)
             ttft[i].append(first)
             itl[i].extend(gaps)
     cpu1 = [thread_cpu(s.pid) for s in servers]
+    # the hook totals leave an instance about once a second, on a step: one more request
+    # a second later hands out the rounds' (the ratio counts the steps of the same totals)
+    time.sleep(1.1)
+    for i in timed:
+        request(servers[i].url)
+    hooks1 = {i: hook_totals(servers[i].url) for i in timed}
     rows: list[dict[str, Any]] = []
     for i, kind in enumerate(kinds):
         used = {n: v - cpu0[i].get(n, 0.0) for n, v in cpu1[i].items()}
         rows.append({"server": servers[i].name, "kind": kind,
                      "ttft_ms": 1e3 * float(np.mean(ttft[i])),
                      "itl_ms": 1e3 * float(np.mean(itl[i])),
+                     "ttft_median_ms": 1e3 * float(np.median(ttft[i])),
+                     "itl_median_ms": 1e3 * float(np.median(itl[i])),
+                     "hook_ms_per_step": (hook_ms_per_step(hooks0[i], hooks1[i])
+                                          if i in timed else {}),
                      "cpu_s": round(sum(used.values()), 2),
                      "cpu_by_thread": {n: round(v, 2) for n, v in
                                        sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}})
-    plain_ttft, plain_itl = float(rows[0]["ttft_ms"]), float(rows[0]["itl_ms"])
-    for row in rows:
-        row["ttft_x"] = row["ttft_ms"] / plain_ttft
-        row["itl_x"] = row["itl_ms"] / plain_itl
     return rows
 
 
-def table(name: str, rows: list[dict[str, Any]]) -> str:
+def trial(name: str, t: int, model: str, args: argparse.Namespace,
+          rng: np.random.Generator, logs: Path) -> list[dict[str, Any]]:
+    """One fresh start of arrangement ``name``: its rows in the arrangement's order, with
+    their ratios to its first (plain) server. Odd trials start and rotate the servers in
+    reverse order, so what depends on a server's position cancels over two trials."""
+    kinds = ARRANGEMENTS[name]
+    order = list(range(len(kinds)))[::-1 if t % 2 else 1]
+    servers = start_servers(tuple(kinds[i] for i in order), model, args.core, logs,
+                            args.extra)
+    try:
+        measured = measure(tuple(kinds[i] for i in order), servers, args, rng)
+    finally:
+        for s in servers:
+            s.stop()
+    rows: list[dict[str, Any]] = [{} for _ in kinds]
+    for position, i in enumerate(order):
+        rows[i] = {**measured[position], "server": f"{i}-{kinds[i]}", "started": position}
+    for row in rows:
+        for key in ("ttft", "itl", "ttft_median", "itl_median"):
+            row[f"{key}_x"] = row[f"{key}_ms"] / rows[0][f"{key}_ms"]
+    return rows
+
+
+def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
     lines = [f"#### {name}", "",
-             "| server | TTFT ms | x plain | ITL ms | x plain | CPU s | top threads (CPU s) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
-    for r in rows:
-        top = ", ".join(f"{n} {v:g}" for n, v in list(r["cpu_by_thread"].items())[:4])
-        lines.append(f"| {r['server']} | {r['ttft_ms']:.1f} | {r['ttft_x']:.3f} | "
-                     f"{r['itl_ms']:.2f} | {r['itl_x']:.3f} | {r['cpu_s']:.2f} | {top} |")
+             "| trial | server | TTFT ms | x plain (median) | ITL ms | x plain (median) | "
+             "hooks ms/step (sched, worker) | CPU s | top threads (CPU s) |",
+             "|---:|---|---:|---:|---:|---:|---|---:|---|"]
+    for t, rows in enumerate(trials):
+        for r in rows:
+            top = ", ".join(f"{n} {v:g}" for n, v in list(r["cpu_by_thread"].items())[:4])
+            hooks = r["hook_ms_per_step"]
+            spent = (f"{hooks.get('scheduler', 0):.3f}, {hooks.get('worker', 0):.3f}"
+                     if hooks else "-")
+            lines.append(f"| {t} | {r['server']} | {r['ttft_ms']:.1f} | {r['ttft_x']:.3f} "
+                         f"({r['ttft_median_x']:.3f}) | {r['itl_ms']:.2f} | {r['itl_x']:.3f} "
+                         f"({r['itl_median_x']:.3f}) | {spent} | {r['cpu_s']:.2f} | {top} |")
+    if len(trials) > 1:  # fresh servers each trial: a process's own luck averages out
+        for i, r in enumerate(trials[0]):
+            mean = {k: float(np.mean([rows[i][f"{k}_x"] for rows in trials]))
+                    for k in ("ttft", "ttft_median", "itl", "itl_median")}
+            lines.append(f"| mean | {r['server']} | | {mean['ttft']:.3f} "
+                         f"({mean['ttft_median']:.3f}) | | {mean['itl']:.3f} "
+                         f"({mean['itl_median']:.3f}) | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -191,16 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     model = str(build_tiny_llama(out / "models" / "tiny-llama"))
     rng = np.random.default_rng(args.seed)
     started = time.monotonic()
-    results: dict[str, list[dict[str, Any]]] = {}
+    results: dict[str, list[list[dict[str, Any]]]] = {}
     client_off(args.core)
     for name in args.arrangements:
-        kinds = ARRANGEMENTS[name]
-        servers = start_servers(kinds, model, args.core, out / "logs" / name, args.extra)
-        try:
-            results[name] = measure(kinds, servers, args, rng)
-        finally:
-            for s in servers:
-                s.stop()
+        results[name] = [trial(name, t, model, args, rng, out / "logs" / name / str(t))
+                         for t in range(args.trials)]
         print(table(name, results[name]), flush=True)
     text = "\n".join(table(n, rows) for n, rows in results.items())
     write_results(out, "step_cost", text, args, started, {"results": results})

@@ -1,0 +1,65 @@
+"""bench.step_cost's arithmetic: hook milliseconds per engine step from two scrapes of the
+``vllm:kvstage_hook_*`` counters, and the counters read from a real /metrics text served on
+127.0.0.1 (`kvstage.serving.client.metric_by_label`)."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from bench import step_cost
+from kvstage.serving.client import metric_by_label
+
+METRICS = """# HELP vllm:kvstage_hook_seconds_total Wall seconds ...
+# TYPE vllm:kvstage_hook_seconds_total counter
+vllm:kvstage_hook_seconds_total{engine="0",hook="worker.start_load_kv",model_name="m"} 0.5
+vllm:kvstage_hook_seconds_total{engine="0",hook="worker.get_transfer_results",model_name="m"} 0.25
+vllm:kvstage_hook_seconds_total{engine="1",hook="worker.start_load_kv",model_name="m"} 0.125
+vllm:kvstage_hook_seconds_created{engine="0",hook="worker.start_load_kv",model_name="m"} 1.7e9
+vllm:kvstage_hook_calls_total{engine="0",hook="worker.get_transfer_results",model_name="m"} 4.0
+"""
+
+
+@pytest.fixture
+def server() -> Iterator[str]:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = METRICS.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        thread.join(timeout=10)
+
+
+def test_metric_by_label_sums_engines_and_skips_other_series(server: str) -> None:
+    seconds = metric_by_label(server, "vllm:kvstage_hook_seconds_total", "hook")
+    assert seconds == {"worker.start_load_kv": 0.625, "worker.get_transfer_results": 0.25}
+    assert metric_by_label(server, "vllm:kvstage_hook_calls_total", "hook") == {
+        "worker.get_transfer_results": 4.0}
+    assert metric_by_label(server, "vllm:absent_total", "hook") == {}
+
+
+def test_hook_ms_per_step_divides_each_side_by_its_steps() -> None:
+    before = ({"worker.start_load_kv": 1.0, "scheduler.build_connector_meta": 0.5},
+              {"worker.get_transfer_results": 100.0, "scheduler.build_connector_meta": 90.0})
+    after = ({"worker.start_load_kv": 1.2, "worker.wait_for_save": 0.1,
+              "scheduler.build_connector_meta": 0.54},
+             {"worker.get_transfer_results": 300.0, "scheduler.build_connector_meta": 190.0})
+    # worker: (0.2 + 0.1) s over 200 steps; scheduler: 0.04 s over 100 steps
+    assert step_cost.hook_ms_per_step(before, after) == {"scheduler": 0.4, "worker": 1.5}
+    assert step_cost.hook_ms_per_step(after, after) == {}  # no step between: nothing
