@@ -6,8 +6,10 @@ A 1P1D kvstage deployment of the tiny Llama (`kvstage.serving.PDCluster`,
 `TINY_CPU_ENGINE_ARGS`, vllm-router; on 2 cores the prefill gets the first, the decode the
 last) and a plain api_server (no connector) pinned to the decode's core. ``--rounds``
 rounds of one streamed request per path (``--input-len`` random ids, ``--output-len``
-tokens, ``ignore_eos``), one in flight, the order rotated each round, after two warm-ups
-each, over three paths: ``pd-router`` (the router: prefill, READ, then the decode's
+tokens, ``ignore_eos``), one in flight, each ``--settle-s`` after the last one ended
+(`bench.stream`: back to back, ``pd-direct`` mostly followed the decode's own request and
+``plain`` the decode's, which favoured the P/D paths), the order rotated each round, after
+two warm-ups each, over three paths: ``pd-router`` (the router: prefill, READ, then the decode's
 tokens through the router), ``pd-direct`` (vLLM's proxy protocol done by this client: the
 prefill request, then the decode streamed directly: the decode's own ITL, no router hop)
 and ``plain``. Per path: mean and median ITL (the gaps between streamed tokens after the
@@ -29,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import first_and_gaps, post, write_results
+from bench.stream import add_settle, first_and_gaps, post, write_results
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, served_model, single_instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
@@ -41,6 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
+    add_settle(p)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             order = list(urls)
             for r in range(args.rounds):
                 for k in order[r % 3:] + order[:r % 3]:
+                    time.sleep(args.settle_s)
                     first, gaps = request(urls[k])
                     got[k]["ttft"].append(first)
                     got[k]["itl"].extend(gaps)

@@ -16,15 +16,12 @@ copied), so what differs between the servers is what the connector does on its o
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
 of one streamed request (``--input-len`` random ids, ``--output-len`` tokens) to each
 server in turn, one request in flight at a time, the order rotated every round, after two
-warm-up requests each, each request ``--settle-s`` after the last one ended: vLLM's worker
-busy-loops (``sched_yield``) for 1 s after its last step, and each server is its own
-session, so with the kernel's autogroup scheduling a server still spinning takes a fair
-share of the core from the next one measured (back to back, the server measured after
-vLLM's busy NIXL consumer's request competed with one spinning group, the others with
-two: the ``four`` ratios of before). ``--trials`` starts each arrangement afresh that many
-times, odd trials with the servers started and rotated in reverse order: two identical
-servers differ by a few percent, the later-started one slower in every run seen, so an
-even number of trials cancels what depends on position.
+warm-up requests each, each request ``--settle-s`` after the last one ended (`bench.stream`:
+back to back, the server measured after vLLM's busy NIXL consumer's request competed with
+one spinning group, the others with two: the ``four`` ratios of before). ``--trials``
+starts each arrangement afresh that many times, odd trials with the servers started and
+rotated in reverse order: two identical servers differ by a few percent, the later-started
+one slower in every run seen, so an even number of trials cancels what depends on position.
 
 Per server: mean and median TTFT and ITL (the gaps between streamed tokens) and their
 ratio to the plain server's of the same trial; for kvstage servers, the milliseconds per
@@ -50,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import client_off, first_and_gaps, write_results
+from bench.stream import add_settle, client_off, first_and_gaps, write_results
 from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.client import metric_by_label
@@ -109,10 +106,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
                    metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
                    "servers (VALUE read as JSON if it parses, as serve-pd's); repeatable")
-    p.add_argument("--settle-s", type=float, default=1.5,
-                   help="idle seconds before each request: vLLM's worker busy-loops "
-                   "(sched_yield) for 1 s after its last step, and a server still spinning "
-                   "takes a share of the core from the next one measured (0: back to back)")
+    add_settle(p)
     p.add_argument("--trials", type=int, default=1,
                    help="times each arrangement is started afresh and measured (two "
                    "identical servers differ by a few percent for their whole life)")
@@ -125,8 +119,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if a.core not in os.sched_getaffinity(0):
         p.error(f"--core {a.core} is not one this process may use "
                 f"({sorted(os.sched_getaffinity(0))})")
-    if not 0 <= a.settle_s <= 10:
-        p.error(f"--settle-s: expected seconds in [0, 10], got {a.settle_s}")
     if not 1 <= a.trials <= 10:
         p.error(f"--trials: expected 1..10, got {a.trials}")
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:

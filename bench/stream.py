@@ -8,6 +8,11 @@ latencies: vLLM streams one chunk per generated token), then of the last byte.
 `first_and_gaps(url, body, start)`: that TTFT and those gaps.
 Every socket operation is bounded by `TIMEOUT_S`.
 `client_off(core)`: this process off ``core`` (the servers' one), when it has others.
+`SETTLE_S` / `add_settle(parser)`: the pause before each request of an A/B between servers
+sharing a core. vLLM's worker busy-loops (``sched_yield``) for 1 s after its last step
+(``SpinCondition.busy_loop_s``), and each server is its own session, so with the kernel's
+autogroup scheduling a server still spinning takes a fair share of the core from the next
+one measured: back to back, which server follows which biases the ratios.
 `write_results(out, stem, text, args, started, payload)`: ``<out>/<stem>.md`` (``text``)
 and ``<out>/<stem>.json`` (``payload`` and a ``meta`` of argv, args and wall seconds).
 """
@@ -27,6 +32,21 @@ from typing import Any
 import numpy as np
 
 TIMEOUT_S = 120.0
+SETTLE_S = 1.5  # over vLLM's 1 s busy loop after a worker's last step
+
+
+def add_settle(p: argparse.ArgumentParser) -> None:
+    """``--settle-s`` (default `SETTLE_S`; 0: back to back), checked in [0, 10]."""
+    def seconds(text: str) -> float:
+        value = float(text)
+        if not 0 <= value <= 10:
+            raise argparse.ArgumentTypeError(f"expected seconds in [0, 10], got {text}")
+        return value
+
+    p.add_argument("--settle-s", type=seconds, default=SETTLE_S,
+                   help="idle seconds before each request: a server that just served "
+                   "busy-loops for 1 s and takes a share of the core from the next one "
+                   "(bench.stream)")
 
 
 def post(url: str, body: dict[str, Any]) -> http.client.HTTPResponse:

@@ -58,7 +58,8 @@ def test_part_imports(name: str) -> None:
     ("save_by_chunk", ["--core", "4096"], "--core 4096: expected a core"),
     ("chunked", ["--sizes-mib", "8,y"], "--sizes-mib: comma-separated integers"),
     ("chunked", ["--matmul-n", "4"], "--matmul-n in [16, 8192]"),
-    ("step_cost", ["--settle-s", "-1"], "--settle-s: expected seconds in [0, 10]"),
+    ("step_cost", ["--settle-s", "-1"], "expected seconds in [0, 10], got -1"),
+    ("decode_itl", ["--settle-s", "11"], "expected seconds in [0, 10], got 11"),
     ("step_cost", ["--trials", "0"], "--trials: expected 1..10"),
     ("step_cost", ["--arrangements", "five"], "--arrangements: expected names from"),
 ])
