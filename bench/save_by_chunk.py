@@ -10,8 +10,9 @@ with ``kvstage_save_by_chunk`` true (each step copies the blocks it completed, t
 prompt's last step only its own chunk's), one with it false (the whole prompt copied in
 its last step). Prompts of ``--chunks`` x ``--chunk-tokens`` - 1 tokens
 (``max_num_batched_tokens`` is the chunk), random ids, one request in flight, the two
-servers alternated and the order rotated each round, ``--rounds`` rounds per prompt length
-after one warm-up each. Each request is a P/D prefill (``max_tokens: 1``,
+servers alternated and the order rotated each round, each request ``--settle-s`` after the
+last one ended (`bench.stream`), ``--rounds`` rounds per prompt length after one warm-up
+each. Each request is a P/D prefill (``max_tokens: 1``,
 ``do_remote_decode``): its latency is the prefill's TTFT; nobody READs, so each prompt is
 held for ``--lease`` seconds and the pool holds ``--pool-prompts`` of the longest. Per
 server and length, from the client and the server's ``/metrics`` (deltas over the length's
@@ -34,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import client_off, post, write_results
+from bench.stream import add_settle, client_off, post, write_results
 from kvstage.serving import metric_total, served_model
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
 from kvstage.serving.engine_args import EngineArgs
@@ -56,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--chunks", default="1,8,32", help="prompt lengths in chunks, e.g. 1,8,32")
     p.add_argument("--chunk-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=6)
+    add_settle(p)
     p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)),
                    help="the core both servers run on (the client runs on the others)")
     p.add_argument("--lease", type=int, default=2,
@@ -148,6 +150,7 @@ def measure(servers: list[Instance], n_chunks: int, args: argparse.Namespace,
     for r in range(args.rounds):
         for k in range(len(servers)):
             i = (k + r) % len(servers)
+            time.sleep(args.settle_s)
             ttft[i].append(prefill(servers[i].url + "/v1/completions", model, prompt()))
     flush(servers, model)
     out = {}
