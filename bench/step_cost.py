@@ -82,15 +82,21 @@ def hook_totals(url: str) -> tuple[dict[str, float], dict[str, float]]:
 
 
 def hook_ms_per_step(before: tuple[dict[str, float], dict[str, float]],
-                     after: tuple[dict[str, float], dict[str, float]]) -> dict[str, float]:
-    """Per side, the milliseconds of all its hooks over the steps between two totals."""
+                     after: tuple[dict[str, float], dict[str, float]],
+                     by_hook: bool = False) -> dict[str, float]:
+    """Per side (or per hook), the milliseconds of its hooks over the steps between two
+    totals."""
     out = {}
     for side, step_hook in STEP_HOOK.items():
         steps = after[1].get(step_hook, 0.0) - before[1].get(step_hook, 0.0)
-        seconds = sum(v - before[0].get(h, 0.0) for h, v in after[0].items()
-                      if h.startswith(side + "."))
-        if steps > 0:
-            out[side] = round(1e3 * seconds / steps, 4)
+        spent = {h: v - before[0].get(h, 0.0) for h, v in after[0].items()
+                 if h.startswith(side + ".")}
+        if steps <= 0:
+            continue
+        if by_hook:
+            out.update({h: round(1e3 * v / steps, 4) for h, v in spent.items()})
+        else:
+            out[side] = round(1e3 * sum(spent.values()) / steps, 4)
     return out
 
 
@@ -213,6 +219,8 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
                      "itl_median_ms": 1e3 * float(np.median(itl[i])),
                      "hook_ms_per_step": (hook_ms_per_step(hooks0[i], hooks1[i])
                                           if i in timed else {}),
+                     "hook_ms_by_hook": (hook_ms_per_step(hooks0[i], hooks1[i], by_hook=True)
+                                         if i in timed else {}),
                      "cpu_s": round(sum(used.values()), 2),
                      "cpu_by_thread": {n: round(v, 2) for n, v in
                                        sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}})

@@ -62,4 +62,7 @@ def test_hook_ms_per_step_divides_each_side_by_its_steps() -> None:
              {"worker.get_transfer_results": 300.0, "scheduler.build_connector_meta": 190.0})
     # worker: (0.2 + 0.1) s over 200 steps; scheduler: 0.04 s over 100 steps
     assert step_cost.hook_ms_per_step(before, after) == {"scheduler": 0.4, "worker": 1.5}
+    assert step_cost.hook_ms_per_step(before, after, by_hook=True) == {
+        "scheduler.build_connector_meta": 0.4, "worker.start_load_kv": 1.0,
+        "worker.wait_for_save": 0.5}
     assert step_cost.hook_ms_per_step(after, after) == {}  # no step between: nothing

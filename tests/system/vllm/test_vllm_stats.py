@@ -18,7 +18,10 @@ exactly:
 - each instance's hook times (``vllm:kvstage_hook_{seconds,calls}_total``, `hook_time`):
   every per-step worker hook has been called once per step up to the flush (the hooks
   vLLM calls after ``get_kv_connector_stats``, which hands the totals out, one step fewer),
-  the scheduler's per-request hooks once per request, and every call took time.
+  the scheduler's per-request hooks once per request, and every call took time;
+- every process of each instance runs on that instance's cores only: vLLM's NIXL worker
+  pins the worker's thread to the machine's last core on a CPU platform, the connector
+  puts the instance's placement back (else the prefill's worker shares the decode's core).
 
 Every instance is its own process group (the harness stops them all); waits are bounded.
 """
@@ -26,6 +29,7 @@ Every instance is its own process group (the harness stops them all); waits are 
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -198,3 +202,29 @@ def test_hook_times_count_every_step(cluster: PDCluster) -> None:
                     + calls.get("scheduler.request_finished", 0))
         assert steps >= 2 and finished >= 1, (server.name, calls)
         assert all(seconds[h] > 0 for h in calls), (server.name, seconds)
+
+
+def _allowed_cpus(pgid: int) -> dict[str, set[int]]:
+    """``comm (pid)`` -> the CPUs each process of group ``pgid`` (its main thread) may use."""
+    out: dict[str, set[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            out[f"{stat[stat.index('(') + 1:stat.rindex(')')]} ({pid})"] = os.sched_getaffinity(
+                int(pid))
+        except (OSError, ValueError):
+            continue  # a process that ended while being read
+    return out
+
+
+def test_each_instance_keeps_its_cores(cluster: PDCluster) -> None:
+    for server in (cluster.prefills[0], cluster.decodes[0]):
+        if not server.cores:
+            pytest.skip("the harness pins instances to cores on this machine only when "
+                        "it has cores to split")
+        procs = _allowed_cpus(server.pid)
+        assert any(name.startswith("VLLM::Worker") for name in procs), procs
+        assert all(cpus == set(server.cores) for cpus in procs.values()), (server.name, procs)

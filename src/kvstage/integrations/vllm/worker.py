@@ -8,6 +8,7 @@ vLLM's handshake thread runs the sealed query (`secure_handshake.SealedHandshake
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -61,9 +62,22 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         refuse_unservable(vllm_config, kv_cache_config)  # one line, before vLLM's asserts
         self._kvstage_security = secure.Security.from_config(self._kvstage)  # before any agent
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
-        # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each)
-        with sleeping_progress_thread(self._kvstage.progress_delay_us):
-            super().__init__(vllm_config, engine_id, kv_cache_config)
+        # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each).
+        # On a CPU platform it also pins this thread (the one that runs the forward) to
+        # the machine's last core of each NUMA node, whatever taskset and
+        # VLLM_CPU_OMP_THREADS_BIND chose: every instance's worker then shares that core
+        # (a 1P1D pair on 2 cores: the prefill's worker on the decode's core). The
+        # operator's placement is put back.
+        placement = os.sched_getaffinity(0)
+        try:
+            with sleeping_progress_thread(self._kvstage.progress_delay_us):
+                super().__init__(vllm_config, engine_id, kv_cache_config)
+        finally:
+            if os.sched_getaffinity(0) != placement:
+                logger.info("kvstage: this worker thread's CPUs %s restored (vLLM's NIXL "
+                            "worker had moved it to %s)", sorted(placement),
+                            sorted(os.sched_getaffinity(0)))
+                os.sched_setaffinity(0, placement)
         # notifications must carry the request's capability (secure.py); handshakes sealed
         secure.guard_notifications(
             self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
