@@ -52,6 +52,10 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   crash on are dropped, with or without a key. Without a key, a non-loopback
   ``VLLM_NIXL_SIDE_CHANNEL_HOST`` refuses to start unless
   ``"kvstage_allow_unauthenticated": true``; loopback works as vLLM, logged once.
+- CPU placement: on a CPU platform vLLM's NIXL worker pins the worker thread to the
+  machine's last core of each NUMA node, over ``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``;
+  the worker puts the instance's placement back (else every instance's forward shares
+  one core: BENCHMARKS "vLLM's NIXL worker moved the prefill's worker").
 - NIXL progress thread: vLLM's agent is created with a 1 ms progress-thread delay
   (``kvstage_progress_delay_us``; nixl-cu12 1.5.1's wrapper hard-codes 0, a core per
   worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
