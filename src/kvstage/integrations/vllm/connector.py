@@ -54,11 +54,12 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   ``"kvstage_allow_unauthenticated": true``; loopback works as vLLM, logged once.
 - CPU placement: on a CPU platform vLLM's NIXL worker pins the worker thread to the
   machine's last core of each NUMA node, over ``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``;
-  the worker puts the instance's placement back (else every instance's forward shares
-  one core: BENCHMARKS "vLLM's NIXL worker moved the prefill's worker").
-- NIXL progress thread: vLLM's agent is created with a 1 ms progress-thread delay
-  (``kvstage_progress_delay_us``; nixl-cu12 1.5.1's wrapper hard-codes 0, a core per
-  worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
+  when that core is off the instance's CPUs the worker puts the thread back (else every
+  instance's forward shares one core: BENCHMARKS "vLLM's NIXL worker moved the prefill's
+  worker"); a move within them is vLLM's choice and is kept.
+- NIXL progress thread: vLLM's agent is created with a progress-thread delay
+  (``kvstage_progress_delay_us``, default 20 ms; nixl-cu12 1.5.1's wrapper hard-codes 0, a
+  core per worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
 - ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
   on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
   on the worker and the scheduler side: it is how the path is tested without a GPU.

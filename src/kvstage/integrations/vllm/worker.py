@@ -64,20 +64,15 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         # vLLM creates its NIXL agent in here: give its progress thread a delay, as
         # kvstage's own agents have (nixl-cu12 1.5.1's wrapper busy-polls a core each).
         # On a CPU platform it also pins this thread (the one that runs the forward) to
-        # the machine's last core of each NUMA node, whatever taskset and
-        # VLLM_CPU_OMP_THREADS_BIND chose: every instance's worker then shares that core
-        # (a 1P1D pair on 2 cores: the prefill's worker on the decode's core). The
-        # operator's placement is put back.
+        # the machine's last core of each NUMA node. Within the instance's own CPUs that is
+        # vLLM's choice (a core for the transfer); outside them (a 1P1D pair on 2 cores:
+        # the prefill's worker on the decode's core) the thread is put back.
         placement = os.sched_getaffinity(0)
         try:
             with sleeping_progress_thread(self._kvstage.progress_delay_us):
                 super().__init__(vllm_config, engine_id, kv_cache_config)
         finally:
-            if os.sched_getaffinity(0) != placement:
-                logger.info("kvstage: this worker thread's CPUs %s restored (vLLM's NIXL "
-                            "worker had moved it to %s)", sorted(placement),
-                            sorted(os.sched_getaffinity(0)))
-                os.sched_setaffinity(0, placement)
+            keep_within(placement)
         # notifications must carry the request's capability (secure.py); handshakes sealed
         secure.guard_notifications(
             self.nixl_wrapper, secure.NotificationGuard(self._kvstage_security.key, engine_id)
@@ -233,6 +228,22 @@ class KVStageConnectorWorker(NixlConnectorWorker):
                 f"configuration or version (local hash {self.compat_hash}, remote "
                 f"{remote}): {e}"
             ) from e
+
+
+def keep_within(placement: set[int]) -> None:
+    """Put this thread back on ``placement`` if it was moved off the instance's CPUs (its
+    parent's, the engine core's: ``taskset``'s), logged; a move within them is kept."""
+    moved = os.sched_getaffinity(0)
+    try:
+        instance = os.sched_getaffinity(os.getppid())
+    except OSError:
+        instance = placement
+    if moved <= instance:
+        return
+    logger.info("kvstage: this worker thread's CPUs %s restored (vLLM's NIXL worker had "
+                "moved it to %s, off the instance's %s)", sorted(placement), sorted(moved),
+                sorted(instance))
+    os.sched_setaffinity(0, placement)
 
 
 def remote_compat_hash(
