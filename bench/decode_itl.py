@@ -26,12 +26,11 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.stream import add_settle, first_and_gaps, post, write_results
+from bench.stream import add_settle, begin, first_and_gaps, post, write_results
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, served_model, single_instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
@@ -56,13 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from kvstage.testing.tiny_llama import build_tiny_llama
-
-    model = str(build_tiny_llama(out / "models" / "tiny-llama"))
-    rng = np.random.default_rng(args.seed)
-    started = time.monotonic()
+    out, model, rng, started = begin(args)
     with PDCluster(model=model, connector="kvstage", log_dir=out / "logs",
                    engine_args=TINY_CPU_ENGINE_ARGS, start_timeout=600.0) as c:
         decode_cores = c.decodes[0].cores

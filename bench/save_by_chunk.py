@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import add_settle, client_off, post, write_results
+from bench.stream import add_settle, begin, client_off, post, write_results
 from kvstage.serving import metric_total, served_model
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
 from kvstage.serving.engine_args import EngineArgs
@@ -197,11 +197,7 @@ def table(results: dict[int, dict[str, dict[str, Any]]], chunk_tokens: int) -> s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model = str(build_kv_heavy_llama(out / "models" / "kv-heavy-llama"))
-    rng = np.random.default_rng(args.seed)
-    started = time.monotonic()
+    out, model, rng, started = begin(args, build_kv_heavy_llama, "kv-heavy-llama")
     client_off(args.core)
     servers = start(model, args, out / "logs")
     try:

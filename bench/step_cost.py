@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import add_settle, client_off, first_and_gaps, write_results
+from bench.stream import add_settle, begin, client_off, first_and_gaps, write_results
 from kvstage.cli.serve_pd import _kv_extra
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.client import metric_by_label
@@ -276,13 +276,7 @@ def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    from kvstage.testing.tiny_llama import build_tiny_llama
-
-    model = str(build_tiny_llama(out / "models" / "tiny-llama"))
-    rng = np.random.default_rng(args.seed)
-    started = time.monotonic()
+    out, model, rng, started = begin(args)
     results: dict[str, list[list[dict[str, Any]]]] = {}
     client_off(args.core)
     for name in args.arrangements:

@@ -13,6 +13,9 @@ sharing a core. vLLM's worker busy-loops (``sched_yield``) for 1 s after its las
 (``SpinCondition.busy_loop_s``), and each server is its own session, so with the kernel's
 autogroup scheduling a server still spinning takes a fair share of the core from the next
 one measured: back to back, which server follows which biases the ratios.
+`begin(args, build, name)`: a bench's start: ``args.out`` made, its model built under
+``<out>/models/<name>`` (``build``; default the tiny Llama), the generator seeded with
+``args.seed`` and the start time `write_results` reports.
 `write_results(out, stem, text, args, started, payload)`: ``<out>/<stem>.md`` (``text``)
 and ``<out>/<stem>.json`` (``payload`` and a ``meta`` of argv, args and wall seconds).
 """
@@ -26,6 +29,7 @@ import os
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +90,19 @@ def client_off(core: int) -> None:
     others = os.sched_getaffinity(0) - {core}
     if others:
         os.sched_setaffinity(0, others)
+
+
+def begin(args: argparse.Namespace, build: Callable[[Path], Path] | None = None,
+          name: str = "tiny-llama") -> tuple[Path, str, np.random.Generator, float]:
+    """(out, model path, seeded generator, start time) for a bench run; see the module doc."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if build is None:
+        from kvstage.testing.tiny_llama import build_tiny_llama
+
+        build = build_tiny_llama
+    model = str(build(out / "models" / name))
+    return out, model, np.random.default_rng(args.seed), time.monotonic()
 
 
 def write_results(out: Path, stem: str, text: str, args: argparse.Namespace, started: float,

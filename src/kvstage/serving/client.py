@@ -93,13 +93,17 @@ def complete(url: str, prompts: list[list[int]], max_tokens: int, concurrency: i
     return [f.result() for f in futures]
 
 
-def metric_total(url: str, name: str, timeout: float = 10.0) -> float:
-    """The sum of every sample of ``name`` (all label sets) in ``GET <url>/metrics``."""
+def _metrics_lines(url: str, timeout: float) -> list[str]:
     status, body = http_get(url + "/metrics", timeout=timeout)
     if status != 200:
         raise ServingError(f"GET {url}/metrics answered {status}")
+    return body.decode(errors="replace").splitlines()
+
+
+def metric_total(url: str, name: str, timeout: float = 10.0) -> float:
+    """The sum of every sample of ``name`` (all label sets) in ``GET <url>/metrics``."""
     total = 0.0
-    for line in body.decode(errors="replace").splitlines():
+    for line in _metrics_lines(url, timeout):
         if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -107,11 +111,8 @@ def metric_total(url: str, name: str, timeout: float = 10.0) -> float:
 
 def metric_by_label(url: str, name: str, label: str, timeout: float = 10.0) -> dict[str, float]:
     """Every sample of ``name`` in ``GET <url>/metrics`` summed by its ``label``'s value."""
-    status, body = http_get(url + "/metrics", timeout=timeout)
-    if status != 200:
-        raise ServingError(f"GET {url}/metrics answered {status}")
     out: dict[str, float] = {}
-    for line in body.decode(errors="replace").splitlines():
+    for line in _metrics_lines(url, timeout):
         if not line.startswith(name + "{"):
             continue
         labels, value = line[len(name) + 1:].rsplit("} ", 1)
