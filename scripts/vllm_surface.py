@@ -106,6 +106,7 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     (f"{NIXL}.base_scheduler", "zmq_ctx", "name"),  # rebound in the sealed listener's copy
     # KVStageConnectorScheduler(NixlConnectorScheduler): scheduler.py
     (NIXL, "NixlConnectorScheduler.__init__", "method"),
+    (NIXL, "NixlConnectorScheduler.on_new_request", "method"),  # quiet.py: waits for KV
     (NIXL, "NixlConnectorScheduler.update_state_after_alloc", "method"),
     (NIXL, "NixlConnectorScheduler.request_finished", "method"),
     (NIXL, "NixlConnectorScheduler.build_connector_meta", "method"),
@@ -119,6 +120,11 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     # the step's metadata and what it carries per request
     (NIXL, "NixlConnectorMetadata", "name"),  # subclassed: KVStageConnectorMetadata
     (NIXL, "NixlConnectorMetadata.reqs_to_save", "attr"),
+    # quiet.py: the fields that make a step a full one, and vLLM's rule for the READs it reports
+    *((NIXL, f"NixlConnectorMetadata.{field}", "attr") for field in (
+        "reqs_to_recv", "reqs_to_send", "reqs_in_batch", "reqs_not_processed",
+        "heartbeat_by_engine")),
+    (META, "ReqMeta.awaiting_kvs", "attr"),
     (NIXL, "NixlConnectorMetadata.add_new_req_to_save", "method"),
     (META, "ReqMeta.local_block_ids", "attr"),
     (META, "ReqMeta.local_physical_block_ids", "attr"),  # checksums (one kernel block)

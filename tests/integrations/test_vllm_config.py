@@ -20,7 +20,7 @@ def test_defaults() -> None:
     assert KVStageConfig.parse(None) == KVStageConfig(
         force_host_buffer=False, key_file=None, allow_unauthenticated=False,
         verify_checksum=False, lease_margin_s=7.0, progress_delay_us=20_000, log_reads=False,
-        lease_duration_s=30.0)
+        lease_duration_s=30.0, quiet_poll_ms=100)
 
 
 def test_every_key() -> None:
@@ -28,11 +28,12 @@ def test_every_key() -> None:
         "kvstage_force_host_buffer": True, "kvstage_key_file": "/k", "kvstage_log_reads": True,
         "kvstage_allow_unauthenticated": True, "kvstage_verify_checksum": True,
         "kvstage_progress_delay_us": 0, "kv_lease_duration": 6, "kv_recompute_threshold": 3,
+        "kvstage_quiet_poll_ms": 0,
     })
     assert cfg == KVStageConfig(
         force_host_buffer=True, key_file="/k", allow_unauthenticated=True,
         verify_checksum=True, lease_margin_s=6 // 6 + 2.0, progress_delay_us=0,
-        log_reads=True, lease_duration_s=6.0)
+        log_reads=True, lease_duration_s=6.0, quiet_poll_ms=0)
     # the margin follows the lease unless given; vLLM heartbeats every step below 6 s
     assert KVStageConfig.parse({"kv_lease_duration": 5}).lease_margin_s == 2.0
     assert KVStageConfig.parse({"kvstage_lease_margin_s": 0.5,
@@ -50,6 +51,9 @@ def test_every_key() -> None:
     ("kvstage_lease_margin_s", True, "a number of seconds >= 0"),
     ("kvstage_progress_delay_us", 100_001, "an int 0..100000"),
     ("kvstage_progress_delay_us", 1.5, "an int 0..100000"),
+    ("kvstage_quiet_poll_ms", 10_001, "an int 0..10000"),
+    ("kvstage_quiet_poll_ms", -1, "an int 0..10000"),
+    ("kvstage_quiet_poll_ms", True, "an int 0..10000"),
     ("kv_lease_duration", 0, "a number of seconds > 0"),
     ("kv_lease_duration", "30", "a number of seconds > 0"),
 ])

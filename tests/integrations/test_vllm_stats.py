@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (  # noqa: E
 from kvstage.integrations.vllm.copy_op import copy_blocks  # noqa: E402
 from kvstage.integrations.vllm.hook_time import HOOK_KEY  # noqa: E402
 from kvstage.integrations.vllm.host_buffers import mirror_host_buffers  # noqa: E402
+from kvstage.integrations.vllm.quiet import QUIET_KEY  # noqa: E402
 from kvstage.integrations.vllm.stats import (  # noqa: E402
     KVStagePromMetrics,
     KVStageStats,
@@ -165,5 +166,16 @@ def test_prometheus_metrics_carry_exact_values() -> None:
                                 {**labels, "hook": "scheduler.build_connector_meta"}) == 8
     assert stats.reduce()["kvstage hook time (ms)"] == 750.0
     assert not stats.is_empty()  # hook times alone are shipped
+    # quiet steps (quiet.py), per side, sent with the hook times
+    stats = KVStageStats()
+    stats.data[QUIET_KEY] = [["worker", 7], ["scheduler", 5]]
+    prom.observe(stats.to_dict(), 0)
+    prom.observe(stats.to_dict(), 0)
+    assert reg.get_sample_value("vllm:kvstage_quiet_steps_total",
+                                {**labels, "side": "worker"}) == 14
+    assert reg.get_sample_value("vllm:kvstage_quiet_steps_total",
+                                {**labels, "side": "scheduler"}) == 10
+    assert stats.reduce()["kvstage quiet steps"] == 12
+    assert not stats.is_empty()
     # vLLM's NIXL metrics are still registered (inherited)
     assert reg.get_sample_value("vllm:nixl_bytes_transferred_count", labels) == 0

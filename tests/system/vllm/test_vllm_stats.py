@@ -202,6 +202,11 @@ def test_hook_times_count_every_step(cluster: PDCluster) -> None:
                     + calls.get("scheduler.request_finished", 0))
         assert steps >= 2 and finished >= 1, (server.name, calls)
         assert all(seconds[h] > 0 for h in calls), (server.name, seconds)
+    # the decode's steps after its READ move nothing: quiet (quiet.py), the prefill's
+    # each carry or await a transfer (its request in the batch, then until the decode's
+    # notification): full
+    quiet = metric_by_label(cluster.decodes[0].url, "vllm:kvstage_quiet_steps_total", "side")
+    assert quiet.get("worker", 0) >= 1 and quiet.get("scheduler", 0) >= 1, quiet
 
 
 def _allowed_cpus(pgid: int) -> dict[str, set[int]]:

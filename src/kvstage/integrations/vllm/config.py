@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvstage.integrations.vllm.quiet import POLL_MS
 from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 
 #: the NIXL progress thread's wait when idle, in the connector (the CLI roles keep 1 ms).
@@ -35,6 +36,7 @@ from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 PROGRESS_DELAY_US = 20_000
 LEASE_DEFAULT_S = 30  # vLLM's default kv_lease_duration (NixlBaseConnectorScheduler)
 LEASE_SLACK_S = 2.0  # the handshake offset's error plus the READ's start, beyond a heartbeat
+MAX_QUIET_POLL_MS = 10_000
 REMOVED = {
     "kvstage_merge_reads": "kvstage_merge_reads was removed: NIXL merges vLLM's per-block "
                            "READ descriptors itself, at a third of the posting cost "
@@ -62,6 +64,9 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
      "(false: the whole prompt in its last step)"),
     ("kvstage_time_hooks", "bool", "true", "true/false",
      "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total)"),
+    ("kvstage_quiet_poll_ms", "int", str(POLL_MS), f"0..{MAX_QUIET_POLL_MS}",
+     "worker: steps with no transfer skip vLLM's NIXL bookkeeping, run at least this often "
+     "(0: every step, as vLLM)"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
      "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
 )
@@ -93,6 +98,7 @@ class KVStageConfig:
     log_reads: bool = False
     save_by_chunk: bool = True
     time_hooks: bool = True
+    quiet_poll_ms: int = POLL_MS
     lease_duration_s: float = float(LEASE_DEFAULT_S)
 
     @classmethod
@@ -139,14 +145,18 @@ class KVStageConfig:
                        f"for kv_lease_duration // 6 + {LEASE_SLACK_S:g})")
             else:
                 out["lease_margin_s"] = number
-        if "kvstage_progress_delay_us" in extra:
-            delay = extra["kvstage_progress_delay_us"]
-            if isinstance(delay, bool) or not isinstance(delay, int) or not (
-                    0 <= delay <= MAX_PROGRESS_DELAY_US):
-                refuse("kvstage_progress_delay_us",
-                       f"an int 0..{MAX_PROGRESS_DELAY_US} (microseconds; 0: NIXL's busy poll)")
-            else:
-                out["progress_delay_us"] = delay
+        for key, field, high, unit in (
+                ("kvstage_progress_delay_us", "progress_delay_us", MAX_PROGRESS_DELAY_US,
+                 "microseconds; 0: NIXL's busy poll"),
+                ("kvstage_quiet_poll_ms", "quiet_poll_ms", MAX_QUIET_POLL_MS,
+                 "milliseconds; 0: vLLM's bookkeeping in every step")):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, int) or not (
+                        0 <= value <= high):
+                    refuse(key, f"an int 0..{high} ({unit})")
+                else:
+                    out[field] = value
         for key in extra:
             if key in REMOVED:
                 bad.append(f"kv_connector_extra_config {key}={extra[key]!r}: {REMOVED[key]}")

@@ -113,6 +113,7 @@ from vllm.logger import init_logger
 from kvstage.integrations.vllm import checksums
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock, time_hooks
+from kvstage.integrations.vllm.quiet import QUIET_KEY, take
 from kvstage.integrations.vllm.scheduler import KVStageConnectorScheduler
 from kvstage.integrations.vllm.settings import HASH_PREFIX, KVSTAGE_PROTOCOL
 from kvstage.integrations.vllm.stats import (
@@ -185,27 +186,51 @@ class KVStageConnector(NixlConnector):
 
     def get_kv_connector_stats(self) -> KVStageStats | None:
         # hook times about once a second (hook_time.py), on both sides
-        hooks = None if self.kvstage_clock is None else self.kvstage_clock.take()
-        worker = self.connector_worker
-        if worker is None:
-            if not hooks:
+        clock = self.kvstage_clock
+        hooks = None if clock is None else clock.take()
+        worker, scheduler = self.connector_worker, self.connector_scheduler
+        timed: dict[str, list[list[Any]]] = {}
+        if clock is not None and hooks:  # with them, the steps quiet since the last (quiet.py)
+            quiet = worker.kvstage_quiet if worker is not None else scheduler.kvstage_quiet
+            timed = {HOOK_KEY: hooks, QUIET_KEY: [[clock.side, take(quiet)]]}
+        if worker is None or not worker.kvstage_quiet.stats_due():
+            # the scheduler side, or a worker whose steps since the last call were quiet
+            # (quiet.py: no bookkeeping, no copy ran; a copy thread's late figures wait
+            # for the next full step)
+            if not timed:
                 return None
-            stats = KVStageStats()
-            stats.data[HOOK_KEY] = hooks
+            stats = KVStageStats()  # vLLM's keys too: its is_empty reads them
+            stats.data.update(timed)
             return stats
         nixl = worker.get_kv_connector_stats()  # vLLM's figures of the step (and a reset)
         if self.kvstage_config.log_reads:
             log_reads(nixl, logger)
-        if hooks:
-            worker.kvstage_copies.data[HOOK_KEY].extend(hooks)
+        for key, entries in timed.items():
+            worker.kvstage_copies.data[key].extend(entries)
         return with_copies(nixl, worker.kvstage_copies)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        results = super().get_transfer_results(finished_req_ids)
         worker = self.connector_worker
+        if worker is not None and not worker.kvstage_quiet.step_is_full():
+            return KVConnectorTransferResults()  # a quiet step: nothing can have finished
+        results = super().get_transfer_results(finished_req_ids)
         if worker is not None:  # checksum mismatches: finished, and failed (no h2d ran)
             results.failed_recving |= worker.take_failed(results.finished_recving)
+            worker.kvstage_quiet.reported(results.finished_sending, results.finished_recving,
+                                          results.failed_recving)
         return results
+
+    # quiet steps (quiet.py): no save was planned, no load can have failed
+    def wait_for_save(self) -> None:
+        worker = self.connector_worker
+        if worker is None or worker.kvstage_quiet.step_is_full():
+            super().wait_for_save()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        worker = self.connector_worker
+        if worker is not None and not worker.kvstage_quiet.step_is_full():
+            return set()
+        return super().get_block_ids_with_load_errors()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:

@@ -29,6 +29,7 @@ from kvstage.integrations.vllm import checksums, lease, request_params, secure, 
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import saved_by_chunk
 from kvstage.integrations.vllm.prompt_saves import PromptSaves
+from kvstage.integrations.vllm.quiet import QuietBuilds
 from kvstage.integrations.vllm.request_params import RequestParams
 
 if TYPE_CHECKING:
@@ -109,6 +110,8 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         self._kvstage_checksums = checksums.SchedulerChecksums(self._kvstage.verify_checksum)
         # prefill: params handed out this step whose digests come with the step's output
         self._kvstage_unpacked: list[dict[str, Any]] = []
+        #: steps with no transfer build an empty metadata, not vLLM's (quiet.py)
+        self.kvstage_quiet = QuietBuilds(self._kvstage.quiet_poll_ms / 1000)
 
     def _nixl_handshake_listener(
         self,
@@ -123,11 +126,19 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
             encoded_data, ready_event, stop_event, host, port, key=self._kvstage_security.key
         )
 
+    def on_new_request(self, request: Request) -> None:
+        super().on_new_request(request)
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            self.kvstage_quiet.wait(request.request_id)  # vLLM heartbeats while it waits
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params or {}
         rid = request.request_id
+        if params:
+            self.kvstage_quiet.touch()
         if self.use_host_buffer and params.get("do_remote_decode"):
             self._kvstage_saving[rid] = request  # (re)scheduled: blocks follow
             self._kvstage_saves.add(rid)
@@ -156,6 +167,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         started = time.perf_counter()  # before vLLM stamps its deadline: never later
+        if request.kv_transfer_params:
+            self.kvstage_quiet.touch()
+        self.kvstage_quiet.done((request.request_id,))
         self._kvstage_saving.pop(request.request_id, None)  # saved, or aborted
         if self._kvstage_saves.drop(request.request_id):  # aborted with saves queued
             self._kvstage_dropped.add(request.request_id)
@@ -175,6 +189,9 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         return delay_free, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStageConnectorMetadata:
+        if not self.kvstage_quiet.full(
+                busy=bool(self._kvstage_saving or self._kvstage_recv or self._kvstage_dropped)):
+            return KVStageConnectorMetadata()  # a quiet step: nothing for the worker
         meta = super().build_connector_meta(scheduler_output)
         assert isinstance(meta, NixlConnectorMetadata)
         final = self._plan_saves(meta, scheduler_output) if self.use_host_buffer else {}
@@ -184,6 +201,7 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
+        self.kvstage_quiet.done(connector_output.finished_recving or ())
         self._kvstage_checksums.update(connector_output.kv_connector_worker_meta)
         for params in self._kvstage_unpacked:  # SchedulerChecksums filled them in place
             request_params.pack(params)
@@ -196,9 +214,11 @@ class KVStageConnectorScheduler(NixlConnectorScheduler):
         newly completed blocks, then at the prompt's last step the blocks not yet saved
         (clipped as vLLM clips a transfer). Returns the requests whose prompt completed,
         with the blocks the decode will READ."""
+        final: dict[str, list[list[int]]] = {}
+        if not self._kvstage_saving:
+            return final  # no prompt being saved (most steps): no walk over the batch
         num_scheduled = scheduler_output.num_scheduled_tokens
         assert num_scheduled is not None
-        final: dict[str, list[list[int]]] = {}
         for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
             req = self._kvstage_saving.get(req_id)
             if req is None:

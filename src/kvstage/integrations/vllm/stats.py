@@ -22,7 +22,8 @@ only kvstage does, the copies between the device KV cache and the host buffers:
   ``_count`` the number of copies: one per request on vLLM's host path), the counter
   ``vllm:kvstage_copy_failures_total``, and per hook (label ``hook``) the counters
   ``vllm:kvstage_hook_seconds_total`` / ``vllm:kvstage_hook_calls_total`` of `hook_time`
-  (the entries reach the stats about once a second, from either side).
+  and per side (label ``side``) ``vllm:kvstage_quiet_steps_total`` of `quiet` (the entries
+  reach the stats about once a second, from either side, with the hook times).
 - `MeteredCopy`: wraps kvstage's copy op (vLLM's ``CopyBlocksOp`` signature), the worker's
   ``copy_blocks``, and records each call into the worker's own `KVStageStats` of copies;
   it re-raises a copy's error after counting it. vLLM's stats object (``xfer_stats``) is
@@ -59,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.stats import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from kvstage.integrations.vllm.hook_time import HOOK_KEY
+from kvstage.integrations.vllm.quiet import QUIET_KEY
 
 DIRECTIONS = ("d2h", "h2d")
 #: per prefill request, the blocks its prompt's last step copied (on TTFT's path; the
@@ -68,10 +70,11 @@ LAST_STEP_KEY = "kvstage_d2h_last_step_blocks"
 #: TTFT's path: the last chunk's copy, and any earlier one still running on CUDA)
 WAIT_KEY = "kvstage_d2h_wait_seconds"
 #: the keys kvstage adds to vLLM's NIXL stats dict (lists: one entry per copy call, and
-#: `hook_time`'s [hook, seconds, calls] per hook about once a second)
+#: `hook_time`'s [hook, seconds, calls] per hook and `quiet`'s [side, quiet steps] about
+#: once a second)
 COPY_KEYS = tuple(
     f"kvstage_{d}_{what}" for d in DIRECTIONS for what in ("blocks", "bytes", "seconds")
-) + ("kvstage_copy_failures", LAST_STEP_KEY, WAIT_KEY, HOOK_KEY)
+) + ("kvstage_copy_failures", LAST_STEP_KEY, WAIT_KEY, HOOK_KEY, QUIET_KEY)
 
 
 def block_bytes(caches: Mapping[str, torch.Tensor]) -> int:
@@ -134,6 +137,7 @@ class KVStageStats(NixlKVConnectorStats):
         out["kvstage d2h wait (ms)"] = round(sum(self.data[WAIT_KEY]) * 1e3, 3)
         out["kvstage copy failures"] = len(self.data["kvstage_copy_failures"])
         out["kvstage hook time (ms)"] = round(sum(e[1] for e in self.data[HOOK_KEY]) * 1e3, 3)
+        out["kvstage quiet steps"] = sum(e[1] for e in self.data[QUIET_KEY])
         return out
 
 
@@ -204,6 +208,12 @@ class KVStagePromMetrics(NixlPromMetrics):
             documentation="Calls vLLM made to each connector hook.",
             labelnames=hook_labels,
         )
+        self.kvstage_quiet_steps = self._counter_cls(
+            name="vllm:kvstage_quiet_steps",
+            documentation="Engine steps in which the connector skipped vLLM's NIXL "
+                          "bookkeeping (no transfer in flight; side: scheduler or worker).",
+            labelnames=[*labelnames, "side"],
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         super().observe(transfer_stats_data, engine_idx)
@@ -224,6 +234,8 @@ class KVStagePromMetrics(NixlPromMetrics):
         for hook, seconds, calls in transfer_stats_data.get(HOOK_KEY, ()):
             self.kvstage_hook_seconds.labels(*labels, str(hook)).inc(seconds)
             self.kvstage_hook_calls.labels(*labels, str(hook)).inc(calls)
+        for side, steps in transfer_stats_data.get(QUIET_KEY, ()):
+            self.kvstage_quiet_steps.labels(*labels, str(side)).inc(steps)
 
 
 CopyOp = Callable[..., None]

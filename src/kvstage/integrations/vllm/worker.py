@@ -25,6 +25,7 @@ from kvstage.integrations.vllm.chunk_saves import WorkerSaves
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
 from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.integrations.vllm.quiet import QuietSteps
 from kvstage.integrations.vllm.settings import HASH_PREFIX, sleeping_progress_thread
 from kvstage.integrations.vllm.state import copy_logical, refuse_unservable
 from kvstage.integrations.vllm.stats import KVStageStats, MeteredCopy
@@ -93,6 +94,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
         self._kvstage_leases = lease.WorkerLeases(self._kvstage.lease_margin_s)
         #: decode: requests whose READ bytes failed the checksum (reported as failed loads)
         self.kvstage_failed: set[str] = set()
+        #: steps with no transfer skip vLLM's bookkeeping (quiet.py; connector.py asks it)
+        self.kvstage_quiet = QuietSteps(self._kvstage.quiet_poll_ms / 1000)
 
     def initialize_host_xfer_buffer(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self.host_xfer_buffers = mirror_host_buffers(kv_caches)
@@ -152,6 +155,8 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             copy_logical(self, "h2d", [[b for g in meta.local_block_ids for b in g]])
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        if not self.kvstage_quiet.begin(metadata):
+            return  # a quiet step: nothing to start, vLLM's bookkeeping skipped (quiet.py)
         self._kvstage_checksums.expect(metadata)
         self._kvstage_leases.expect(metadata)
         super().start_load_kv(metadata)
