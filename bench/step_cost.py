@@ -10,7 +10,10 @@ to ONE core (``--core``, default the last; the client runs on the others), the t
 - ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer;
 - ``control``: two plain servers (A/A: what two identical servers differ by on this box);
 - ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
-  (whose busy-polling progress thread takes a core's share in ``four``).
+  (whose busy-polling progress thread takes a core's share in ``four``);
+- ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
+  NIXL bookkeeping in every step: the connector before quiet steps,
+  `kvstage.integrations.vllm.quiet`).
 Every request is a plain one (no ``kv_transfer_params``: nothing is saved, READ or
 copied), so what differs between the servers is what the connector does on its own: its
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
@@ -60,6 +63,11 @@ KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_ro
     "kvstage-consumer": ("kvstage", "kv_consumer"),
     "kvstage-producer": ("kvstage", "kv_producer"),
     "nixl-consumer": ("nixl", "kv_consumer"),
+    "kvstage-every-step": ("kvstage", "kv_consumer"),
+}
+#: kv_connector_extra_config a kind adds to ``--kv-extra``'s
+KIND_EXTRA: dict[str, dict[str, Any]] = {
+    "kvstage-every-step": {"kvstage_quiet_poll_ms": 0},  # vLLM's bookkeeping every step
 }
 ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "four": ("plain", "kvstage-consumer", "kvstage-producer", "nixl-consumer"),
@@ -68,6 +76,8 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "pair-producer": ("plain", "kvstage-producer"),
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
+    # the quiet-step cut itself: a consumer with it, one without (quiet.py)
+    "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
 }
 TICK = os.sysconf("SC_CLK_TCK")
 HOOK_SECONDS, HOOK_CALLS = "vllm:kvstage_hook_seconds_total", "vllm:kvstage_hook_calls_total"
@@ -157,15 +167,25 @@ def thread_cpu(pgid: int) -> dict[str, float]:
     return out
 
 
+def kv_config(kind: str, extra: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``--kv-transfer-config`` of a server of ``kind`` (None: plain); ``extra`` (and
+    the kind's `KIND_EXTRA`) on kvstage servers only."""
+    spec = KINDS[kind]
+    if spec is None:
+        return None
+    if spec[0] == "kvstage":
+        return connector_config("kvstage", spec[1], device="cpu", policy="fail",
+                                extra={**extra, **KIND_EXTRA.get(kind, {})})
+    return connector_config(spec[0], spec[1], device="cpu", policy="fail")
+
+
 def start_servers(kinds: tuple[str, ...], model: str, core: int, logs: Path,
                   extra: dict[str, Any]) -> list[Instance]:
     ports = free_ports(2 * len(kinds))
     servers = []
     for i, kind in enumerate(kinds):
         spec = KINDS[kind]
-        kv = None if spec is None else connector_config(
-            spec[0], spec[1], device="cpu", policy="fail",
-            extra=extra if spec[0] == "kvstage" else None)
+        kv = kv_config(kind, extra)
         servers.append(api_server_instance(
             f"{i}-{kind}", "single", model, port=ports[i], log_dir=logs,
             engine_args=TINY_CPU_ENGINE_ARGS, kv_config=kv, device="cpu", cores=(core,),

@@ -66,3 +66,19 @@ def test_hook_ms_per_step_divides_each_side_by_its_steps() -> None:
         "scheduler.build_connector_meta": 0.4, "worker.start_load_kv": 1.0,
         "worker.wait_for_save": 0.5}
     assert step_cost.hook_ms_per_step(after, after) == {}  # no step between: nothing
+
+
+def test_each_kind_gets_its_connector_config() -> None:
+    assert step_cost.kv_config("plain", {"kvstage_log_reads": True}) is None
+    quiet = step_cost.kv_config("kvstage-consumer", {"kvstage_log_reads": True})
+    every = step_cost.kv_config("kvstage-every-step", {"kvstage_log_reads": True})
+    nixl = step_cost.kv_config("nixl-consumer", {"kvstage_log_reads": True})
+    assert quiet is not None and every is not None and nixl is not None
+    assert quiet["kv_role"] == every["kv_role"] == nixl["kv_role"] == "kv_consumer"
+    assert "kvstage_quiet_poll_ms" not in quiet["kv_connector_extra_config"]
+    # the A/B of the quiet-step cut: the same consumer with vLLM's bookkeeping every step
+    assert every["kv_connector_extra_config"] == {
+        **quiet["kv_connector_extra_config"], "kvstage_quiet_poll_ms": 0}
+    assert "kvstage_log_reads" not in nixl.get("kv_connector_extra_config", {})
+    assert step_cost.ARRANGEMENTS["quiet"] == ("plain", "kvstage-consumer",
+                                               "kvstage-every-step")

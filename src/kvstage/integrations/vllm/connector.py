@@ -83,6 +83,12 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
 - Hook times (`hook_time`): every per-step hook vLLM calls here is timed (wall ns), the
   totals reach ``/metrics`` about once a second (``vllm:kvstage_hook_seconds_total{hook}``,
   ``..._calls_total``): the connector's own cost per engine step, on a running instance.
+- Quiet steps (`quiet`): a worker step whose metadata carries nothing for the connector,
+  with no READ or send of its own in flight, skips vLLM's NIXL bookkeeping
+  (``start_load_kv``, ``get_transfer_results``, the save, the load-error queue, vLLM's
+  stats); a scheduler build with no transfer-touching hook since the last one is an empty
+  metadata. A full pass still runs every ``kvstage_quiet_poll_ms`` (default 100; 0: every
+  step, as vLLM); ``vllm:kvstage_quiet_steps_total{side}`` counts the quiet ones.
 - Settings: `config.KVStageConfig`, parsed once per connector (README "Connector settings");
   per-request fields: `request_params` (README "What travels per request").
 
