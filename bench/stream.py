@@ -15,7 +15,8 @@ autogroup scheduling a server still spinning takes a fair share of the core from
 one measured: back to back, which server follows which biases the ratios.
 `begin(args, build, name)`: a bench's start: ``args.out`` made, its model built under
 ``<out>/models/<name>`` (``build``; default the tiny Llama), the generator seeded with
-``args.seed`` and the start time `write_results` reports.
+``args.seed`` and the start time `write_results` reports; SIGTERM exits through the
+bench's ``finally`` (a killed bench stops its api_servers).
 `write_results(out, stem, text, args, started, payload)`: ``<out>/<stem>.md`` (``text``)
 and ``<out>/<stem>.json`` (``payload`` and a ``meta`` of argv, args and wall seconds).
 """
@@ -26,6 +27,7 @@ import argparse
 import http.client
 import json
 import os
+import signal
 import sys
 import time
 import urllib.parse
@@ -94,7 +96,9 @@ def client_off(core: int) -> None:
 
 def begin(args: argparse.Namespace, build: Callable[[Path], Path] | None = None,
           name: str = "tiny-llama") -> tuple[Path, str, np.random.Generator, float]:
-    """(out, model path, seeded generator, start time) for a bench run; see the module doc."""
+    """(out, model path, seeded generator, start time) for a bench run; see the module doc.
+    SIGTERM then exits through the bench's ``finally`` blocks (its servers stopped)."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if build is None:

@@ -81,3 +81,18 @@ def test_the_scheduler_sides_stats_carry_its_quiet_builds() -> None:
     assert isinstance(stats, KVStageStats) and not stats.is_empty()  # vLLM calls is_empty
     assert stats.data[QUIET_KEY] == [["scheduler", 2]]
     assert builds.quiet == 0
+
+
+def test_a_quiet_builds_metadata_is_empty_and_pickles_small() -> None:
+    import pickle
+
+    from kvstage.integrations.vllm.quiet import FIELDS, carries_work
+    from kvstage.integrations.vllm.scheduler import KVStageConnectorMetadata, QuietMetadata
+
+    full = pickle.dumps(KVStageConnectorMetadata(), protocol=pickle.HIGHEST_PROTOCOL)
+    small = pickle.dumps(QuietMetadata(), protocol=pickle.HIGHEST_PROTOCOL)
+    assert len(small) < 100 < 300 < len(full)  # what vLLM sends the worker every step
+    meta = pickle.loads(small)
+    assert type(meta) is QuietMetadata and not carries_work(meta)
+    assert all(not getattr(meta, name) for name in FIELDS)  # vLLM's reads find it empty
+    assert meta.reqs_to_recv == {} and meta.heartbeat_by_engine == {}

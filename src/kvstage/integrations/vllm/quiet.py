@@ -64,7 +64,10 @@ def take(counter: QuietSteps | QuietBuilds) -> int:
 
 
 def carries_work(metadata: Any) -> bool:
-    """Whether a step's connector metadata has anything for the worker (`FIELDS`)."""
+    """Whether a step's connector metadata has anything for the worker (`FIELDS`; a
+    quiet build's, marked ``kvstage_quiet``, has nothing)."""
+    if getattr(metadata, "kvstage_quiet", False):
+        return False
     return any(getattr(metadata, name, None) for name in FIELDS)
 
 
