@@ -14,7 +14,9 @@ tokens through the router), ``pd-direct`` (vLLM's proxy protocol done by this cl
 prefill request, then the decode streamed directly: the decode's own ITL, no router hop)
 and ``plain``. Per path: mean and median ITL (the gaps between streamed tokens after the
 first: each a decode step of the decode instance, or of the plain one) and TTFT, and the
-ratios to the plain server's. The two decoding processes share one core,
+ratios to the plain server's. ``--kv-extra KEY=VALUE`` (repeatable) goes to the P/D
+instances' ``kv_connector_extra_config`` (e.g. ``kvstage_quiet_poll_ms=0``: vLLM's NIXL
+bookkeeping in every step). The two decoding processes share one core,
 so the box's load falls on both. Writes ``<out>/decode_itl.json`` and ``.md``; logs under
 ``<out>/logs``. Bad arguments: one line, exit 2.
 """
@@ -30,7 +32,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import add_settle, begin, first_and_gaps, post, write_results
+from bench.stream import (
+    add_kv_extra,
+    add_settle,
+    begin,
+    first_and_gaps,
+    kv_extra,
+    post,
+    write_results,
+)
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, served_model, single_instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
@@ -43,11 +53,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     add_settle(p)
+    add_kv_extra(p)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
         p.error(f"--rounds >= 1, --input-len in [1, 400], --output-len in [2, 100]; got "
                 f"{a.rounds}, {a.input_len}, {a.output_len}")
+    a.extra = kv_extra(p, a)
     if len(os.sched_getaffinity(0)) < 2:
         p.error("needs 2 cores: the prefill on one, the decode and the plain server on another")
     return a
@@ -57,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out, model, rng, started = begin(args)
     with PDCluster(model=model, connector="kvstage", log_dir=out / "logs",
-                   engine_args=TINY_CPU_ENGINE_ARGS, start_timeout=600.0) as c:
+                   engine_args=TINY_CPU_ENGINE_ARGS, start_timeout=600.0,
+                   extra_kv_config=args.extra or None) as c:
         decode_cores = c.decodes[0].cores
         with single_instance(model, log_dir=out / "logs", engine_args=TINY_CPU_ENGINE_ARGS,
                              device="cpu", cores=decode_cores, start_timeout=600.0) as plain:

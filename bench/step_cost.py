@@ -50,8 +50,15 @@ from typing import Any
 
 import numpy as np
 
-from bench.stream import add_settle, begin, client_off, first_and_gaps, write_results
-from kvstage.cli.serve_pd import _kv_extra
+from bench.stream import (
+    add_kv_extra,
+    add_settle,
+    begin,
+    client_off,
+    first_and_gaps,
+    kv_extra,
+    write_results,
+)
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.client import metric_by_label
 from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
@@ -119,9 +126,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=100)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--core", type=int, default=max(os.sched_getaffinity(0)))
-    p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
-                   metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
-                   "servers (VALUE read as JSON if it parses, as serve-pd's); repeatable")
+    add_kv_extra(p)
     add_settle(p)
     p.add_argument("--trials", type=int, default=1,
                    help="times each arrangement is started afresh and measured (two "
@@ -139,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--trials: expected 1..10, got {a.trials}")
     if a.rounds < 1 or not 1 <= a.input_len <= 400 or not 2 <= a.output_len <= 100:
         p.error("--rounds >= 1, --input-len in [1, 400], --output-len in [2, 100]")
-    extra: dict[str, Any] = dict(a.kv_extra)
+    extra = kv_extra(p, a)
     a.arrangements, a.extra = names, extra
     return a
 

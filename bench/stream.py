@@ -17,6 +17,8 @@ one measured: back to back, which server follows which biases the ratios.
 ``<out>/models/<name>`` (``build``; default the tiny Llama), the generator seeded with
 ``args.seed`` and the start time `write_results` reports; SIGTERM exits through the
 bench's ``finally`` (a killed bench stops its api_servers).
+`add_kv_extra(parser)` / `kv_extra(parser, args)`: ``--kv-extra KEY=VALUE`` for the
+kvstage instances, checked as the connector checks it.
 `write_results(out, stem, text, args, started, payload)`: ``<out>/<stem>.md`` (``text``)
 and ``<out>/<stem>.json`` (``payload`` and a ``meta`` of argv, args and wall seconds).
 """
@@ -53,6 +55,29 @@ def add_settle(p: argparse.ArgumentParser) -> None:
                    help="idle seconds before each request: a server that just served "
                    "busy-loops for 1 s and takes a share of the core from the next one "
                    "(bench.stream)")
+
+
+def add_kv_extra(p: argparse.ArgumentParser) -> None:
+    """``--kv-extra KEY=VALUE`` (repeatable): kv_connector_extra_config of the kvstage
+    instances; `kv_extra` checks it."""
+    from kvstage.cli.serve_pd import _kv_extra
+
+    p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
+                   metavar="KEY=VALUE", help="kv_connector_extra_config entry of the kvstage "
+                   "instances (VALUE read as JSON if it parses, as serve-pd's); repeatable")
+
+
+def kv_extra(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Any]:
+    """``--kv-extra`` as a dict, checked as the connector checks it (a bad value: one line,
+    exit 2, before any server starts)."""
+    from kvstage.integrations.vllm.config import KVStageConfig
+
+    extra: dict[str, Any] = dict(args.kv_extra)
+    try:
+        KVStageConfig.parse({"kvstage_force_host_buffer": True, **extra})
+    except ValueError as e:
+        p.error("--kv-extra: " + "; ".join(str(e).splitlines()))
+    return extra
 
 
 def post(url: str, body: dict[str, Any]) -> http.client.HTTPResponse:

@@ -60,6 +60,10 @@ def test_part_imports(name: str) -> None:
     ("chunked", ["--matmul-n", "4"], "--matmul-n in [16, 8192]"),
     ("step_cost", ["--settle-s", "-1"], "expected seconds in [0, 10], got -1"),
     ("decode_itl", ["--settle-s", "11"], "expected seconds in [0, 10], got 11"),
+    ("decode_itl", ["--kv-extra", "kvstage_quiet_poll_ms=-5"],
+     "--kv-extra: KVStageConnector: kv_connector_extra_config kvstage_quiet_poll_ms=-5"),
+    ("step_cost", ["--kv-extra", "kvstage_nope=1"], "unknown kvstage key"),
+    ("step_cost", ["--kv-extra", "no-equals"], "--kv-extra expects KEY=VALUE"),
     ("step_cost", ["--trials", "0"], "--trials: expected 1..10"),
     ("step_cost", ["--arrangements", "five"], "--arrangements: expected names from"),
 ])
