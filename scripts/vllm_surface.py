@@ -120,11 +120,9 @@ SURFACE: tuple[tuple[str, str, str], ...] = (
     # the step's metadata and what it carries per request
     (NIXL, "NixlConnectorMetadata", "name"),  # subclassed: KVStageConnectorMetadata
     (NIXL, "NixlConnectorMetadata.reqs_to_save", "attr"),
-    # quiet.py: the fields that make a step a full one, and vLLM's rule for the READs it reports
-    *((NIXL, f"NixlConnectorMetadata.{field}", "attr") for field in (
-        "reqs_to_recv", "reqs_to_send", "reqs_in_batch", "reqs_not_processed",
-        "heartbeat_by_engine")),
-    (META, "ReqMeta.awaiting_kvs", "attr"),
+    *((NIXL, f"NixlConnectorMetadata.{f}", "attr") for f in ("reqs_to_recv", "reqs_to_send",
+      "reqs_in_batch", "reqs_not_processed", "heartbeat_by_engine")),  # quiet.py: full steps
+    (META, "ReqMeta.awaiting_kvs", "attr"),  # quiet.py: vLLM's rule for the READs it reports
     (NIXL, "NixlConnectorMetadata.add_new_req_to_save", "method"),
     (META, "ReqMeta.local_block_ids", "attr"),
     (META, "ReqMeta.local_physical_block_ids", "attr"),  # checksums (one kernel block)

@@ -5,9 +5,10 @@ transfer exists: ``start_load_kv`` walks the step's metadata and drains the hand
 queue, ``get_transfer_results`` asks NIXL for notifications and polls the READs in flight,
 the failure queue, the send leases and the remote engines to clean up. On an instance
 serving requests that move no KV (a P/D instance between transfers, a mixed fleet) that is
-what the connector costs per step: 70-90 us of a 4 ms CPU step, because each step runs it
-with caches the forward has just cooled (NIXL's ``get_new_notifs`` alone takes 12-14 us
-right after a forward, 0.4 us in a loop: BENCHMARKS "Quiet steps").
+most of what the connector cost per step (its hooks: 134-137 us of a 4 ms CPU step, 36-53
+us with quiet steps), because each step runs it with caches the forward has just cooled
+(NIXL's ``get_new_notifs`` takes 6-14 us right after compute, 0.5 us in a loop:
+BENCHMARKS "Quiet steps").
 
 A step is QUIET when its metadata carries nothing for the connector (no request to READ,
 to send, in the batch or not processed, no heartbeat, none of kvstage's fields) and the
