@@ -58,7 +58,7 @@ FIELDS = ("reqs_to_recv", "reqs_to_send", "reqs_in_batch", "reqs_not_processed",
           "heartbeat_by_engine", "reqs_to_save", "requests", "saves_final", "saves_dropped")
 
 
-def take(counter: QuietSteps | QuietBuilds) -> int:
+def take(counter: _Poll) -> int:
     """``counter.quiet`` (its quiet steps since the last take), reset to 0."""
     n, counter.quiet = counter.quiet, 0
     return n
@@ -72,35 +72,44 @@ def carries_work(metadata: Any) -> bool:
     return any(getattr(metadata, name, None) for name in FIELDS)
 
 
-class QuietSteps:
-    """Which steps are quiet (see the module doc); ``clock`` in seconds (tests)."""
+class _Poll:
+    """What both sides share: a step is full when it has work or ``poll_s`` (``clock``
+    seconds) passed since the last full one; ``quiet`` counts the others (`take`)."""
 
     def __init__(self, poll_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.poll_s = poll_s
         self.clock = clock
+        self.quiet = 0  # quiet steps since the last `take`
+        self._last_full = -float("inf")
+
+    def _decide(self, work: bool) -> bool:
+        now = self.clock()
+        if work or now - self._last_full >= self.poll_s:
+            self._last_full = now
+            return True
+        self.quiet += 1
+        return False
+
+
+class QuietSteps(_Poll):
+    """Which worker steps are quiet (see the module doc)."""
+
+    def __init__(self, poll_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(poll_s, clock)
         self.recving: set[str] = set()  # READs vLLM will report finished or failed
         self.sending: set[str] = set()  # requests vLLM will report sent (or expired)
-        self.quiet = 0  # steps that skipped vLLM's bookkeeping since the last `take`
         self._full = True  # this step runs vLLM's bookkeeping
         self._stats_due = True  # a full step since vLLM last asked for stats
-        self._last_full = -float("inf")
 
     def begin(self, metadata: Any) -> bool:
         """A step starts with ``metadata``: True when it is a full one (run vLLM's
         ``start_load_kv``, then its ``get_transfer_results``), False when quiet."""
-        now = self.clock()
-        if carries_work(metadata):
+        work = carries_work(metadata)
+        if work:
             self._track(metadata)
-            full = True
-        else:
-            full = bool(self.recving or self.sending) or now - self._last_full >= self.poll_s
-        self._full = full
-        if full:
-            self._last_full = now
-            self._stats_due = True
-        else:
-            self.quiet += 1
-        return full
+        self._full = self._decide(work or bool(self.recving or self.sending))
+        self._stats_due = self._stats_due or self._full
+        return self._full
 
     def step_is_full(self) -> bool:
         """Whether this step is a full one (run vLLM's ``get_transfer_results``, its save and
@@ -128,16 +137,13 @@ class QuietSteps:
         self.sending.update(getattr(metadata, "reqs_to_send", None) or ())
 
 
-class QuietBuilds:
+class QuietBuilds(_Poll):
     """Which scheduler steps build vLLM's metadata (see the module doc)."""
 
     def __init__(self, poll_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.poll_s = poll_s
-        self.clock = clock
+        super().__init__(poll_s, clock)
         self.waiting: set[str] = set()  # decode requests awaiting their KV (heartbeats)
-        self.quiet = 0  # builds that skipped vLLM's since the last `take`
         self._touched = True
-        self._last_full = -float("inf")
 
     def touch(self) -> None:
         """A hook saw a request with ``kv_transfer_params``: the next build is full."""
@@ -152,10 +158,6 @@ class QuietBuilds:
 
     def full(self, busy: bool = False) -> bool:
         """Whether this step's build is vLLM's (``busy``: kvstage itself has work)."""
-        now = self.clock()
-        if busy or self._touched or self.waiting or now - self._last_full >= self.poll_s:
-            self._touched = False
-            self._last_full = now
-            return True
-        self.quiet += 1
-        return False
+        full = self._decide(busy or self._touched or bool(self.waiting))
+        self._touched = self._touched and not full
+        return full
