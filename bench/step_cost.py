@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -50,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.ab_stats import ratios
 from bench.stream import (
     add_kv_extra,
     add_settle,
@@ -131,6 +133,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--trials", type=int, default=1,
                    help="times each arrangement is started afresh and measured (two "
                    "identical servers differ by a few percent for their whole life)")
+    p.add_argument("--fixed-layout", action="store_true",
+                   help="start every server without address-space randomisation "
+                   "(setarch -R) and with PYTHONHASHSEED=0: fewer ways for two starts of "
+                   "the same server to differ")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     names = [n for n in a.arrangements.split(",") if n]
@@ -185,16 +191,20 @@ def kv_config(kind: str, extra: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def start_servers(kinds: tuple[str, ...], model: str, core: int, logs: Path,
-                  extra: dict[str, Any]) -> list[Instance]:
+                  extra: dict[str, Any], fixed_layout: bool = False) -> list[Instance]:
     ports = free_ports(2 * len(kinds))
     servers = []
     for i, kind in enumerate(kinds):
         spec = KINDS[kind]
         kv = kv_config(kind, extra)
-        servers.append(api_server_instance(
+        server = api_server_instance(
             f"{i}-{kind}", "single", model, port=ports[i], log_dir=logs,
             engine_args=TINY_CPU_ENGINE_ARGS, kv_config=kv, device="cpu", cores=(core,),
-            side_channel_port=None if spec is None else ports[len(kinds) + i]))
+            side_channel_port=None if spec is None else ports[len(kinds) + i],
+            env={"PYTHONHASHSEED": "0"} if fixed_layout else None)
+        if fixed_layout:
+            server.argv = ["setarch", platform.machine(), "-R", *server.argv]
+        servers.append(server)
     for s in servers:
         s.spawn()
     for s in servers:
@@ -220,6 +230,7 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
     cpu0 = [thread_cpu(s.pid) for s in servers]
     ttft: list[list[float]] = [[] for _ in servers]
     itl: list[list[float]] = [[] for _ in servers]
+    gaps_by_round: list[list[list[float]]] = [[] for _ in servers]
     for r in range(args.rounds):
         for k in range(len(servers)):
             i = (k + r) % len(servers)
@@ -227,6 +238,7 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
             first, gaps = request(servers[i].url)
             ttft[i].append(first)
             itl[i].extend(gaps)
+            gaps_by_round[i].append([round(1e3 * g, 3) for g in gaps])
     cpu1 = [thread_cpu(s.pid) for s in servers]
     # the hook totals leave an instance about once a second, on a step: one more request
     # a second later hands out the rounds' (the ratio counts the steps of the same totals)
@@ -242,6 +254,9 @@ def measure(kinds: tuple[str, ...], servers: list[Instance], args: argparse.Name
                      "itl_ms": 1e3 * float(np.mean(itl[i])),
                      "ttft_median_ms": 1e3 * float(np.median(ttft[i])),
                      "itl_median_ms": 1e3 * float(np.median(itl[i])),
+                     # by round, for the paired intervals (`bench.ab_stats`)
+                     "ttft_by_round_ms": [[round(1e3 * v, 3)] for v in ttft[i]],
+                     "gaps_by_round_ms": gaps_by_round[i],
                      "hook_ms_per_step": (hook_ms_per_step(hooks0[i], hooks1[i])
                                           if i in timed else {}),
                      "hook_ms_by_hook": (hook_ms_per_step(hooks0[i], hooks1[i], by_hook=True)
@@ -260,7 +275,7 @@ def trial(name: str, t: int, model: str, args: argparse.Namespace,
     kinds = ARRANGEMENTS[name]
     order = list(range(len(kinds)))[::-1 if t % 2 else 1]
     servers = start_servers(tuple(kinds[i] for i in order), model, args.core, logs,
-                            args.extra)
+                            args.extra, args.fixed_layout)
     try:
         measured = measure(tuple(kinds[i] for i in order), servers, args, rng)
     finally:
@@ -272,30 +287,40 @@ def trial(name: str, t: int, model: str, args: argparse.Namespace,
     for row in rows:
         for key in ("ttft", "itl", "ttft_median", "itl_median"):
             row[f"{key}_x"] = row[f"{key}_ms"] / rows[0][f"{key}_ms"]
+        for key, samples in (("ttft", "ttft_by_round_ms"), ("itl", "gaps_by_round_ms")):
+            row[f"{key}_stats_x"] = ratios(rows[0][samples], row[samples])
     return rows
 
 
+#: the ratios a table shows: (samples, statistic) of `bench.ab_stats`
+SHOWN = (("ttft", "mean"), ("ttft", "p10"), ("itl", "mean"), ("itl", "p10"), ("itl", "p90"))
+
+
 def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
+    """Per trial and server: the ratios to the plain server with their 95 % intervals over
+    the rounds (`bench.ab_stats`), hook time per step, CPU by thread; with more than one
+    trial, each ratio's mean over them."""
+    head = " | ".join(f"{k.upper()} {stat} x plain [95 %]" for k, stat in SHOWN)
     lines = [f"#### {name}", "",
-             "| trial | server | TTFT ms | x plain (median) | ITL ms | x plain (median) | "
-             "hooks ms/step (sched, worker) | CPU s | top threads (CPU s) |",
-             "|---:|---|---:|---:|---:|---:|---|---:|---|"]
+             f"| trial | server | TTFT ms | ITL ms | {head} | hooks ms/step (sched, worker) "
+             "| CPU s | top threads (CPU s) |",
+             "|---:|---|---:|---:|" + "---:|" * len(SHOWN) + "---|---:|---|"]
     for t, rows in enumerate(trials):
         for r in rows:
             top = ", ".join(f"{n} {v:g}" for n, v in list(r["cpu_by_thread"].items())[:4])
             hooks = r["hook_ms_per_step"]
             spent = (f"{hooks.get('scheduler', 0):.3f}, {hooks.get('worker', 0):.3f}"
                      if hooks else "-")
-            lines.append(f"| {t} | {r['server']} | {r['ttft_ms']:.1f} | {r['ttft_x']:.3f} "
-                         f"({r['ttft_median_x']:.3f}) | {r['itl_ms']:.2f} | {r['itl_x']:.3f} "
-                         f"({r['itl_median_x']:.3f}) | {spent} | {r['cpu_s']:.2f} | {top} |")
+            shown = " | ".join("{:.3f} [{:.3f}, {:.3f}]".format(*r[f"{k}_stats_x"][stat])
+                               for k, stat in SHOWN)
+            lines.append(f"| {t} | {r['server']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | "
+                         f"{shown} | {spent} | {r['cpu_s']:.2f} | {top} |")
     if len(trials) > 1:  # fresh servers each trial: a process's own luck averages out
         for i, r in enumerate(trials[0]):
-            mean = {k: float(np.mean([rows[i][f"{k}_x"] for rows in trials]))
-                    for k in ("ttft", "ttft_median", "itl", "itl_median")}
-            lines.append(f"| mean | {r['server']} | | {mean['ttft']:.3f} "
-                         f"({mean['ttft_median']:.3f}) | | {mean['itl']:.3f} "
-                         f"({mean['itl_median']:.3f}) | | | |")
+            shown = " | ".join(
+                f"{np.mean([rows[i][f'{k}_stats_x'][stat][0] for rows in trials]):.3f}"
+                for k, stat in SHOWN)
+            lines.append(f"| mean | {r['server']} | | | {shown} | | | |")
     return "\n".join(lines) + "\n"
 
 

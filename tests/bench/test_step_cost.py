@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench import step_cost
+from bench.ab_stats import ratios
 from kvstage.serving.client import metric_by_label
 
 METRICS = """# HELP vllm:kvstage_hook_seconds_total Wall seconds ...
@@ -82,3 +83,21 @@ def test_each_kind_gets_its_connector_config() -> None:
     assert "kvstage_log_reads" not in nixl.get("kv_connector_extra_config", {})
     assert step_cost.ARRANGEMENTS["quiet"] == ("plain", "kvstage-consumer",
                                                "kvstage-every-step")
+
+
+def test_the_table_shows_each_ratio_with_its_interval_and_the_trials_mean() -> None:
+    base = [[3.0, 3.2], [2.9, 4.0], [3.1, 3.0]]
+    rows = []
+    for t in range(2):
+        trial = []
+        for name, scale in (("0-plain", 1.0), ("1-kvstage-consumer", 1.5 + t)):
+            gaps = [[g * scale for g in r] for r in base]
+            trial.append({"server": name, "ttft_ms": 10.0 * scale, "itl_ms": 3.0 * scale,
+                          "cpu_by_thread": {"VLLM::Worker": 1.5}, "cpu_s": 2.0,
+                          "hook_ms_per_step": {}, "itl_stats_x": ratios(base, gaps),
+                          "ttft_stats_x": ratios([[10.0]] * 3, [[10.0 * scale]] * 3)})
+        rows.append(trial)
+    text = step_cost.table("pair-consumer", rows)
+    assert "| 0 | 1-kvstage-consumer | 15.0 | 4.50 | 1.500 [1.500, 1.500] |" in text
+    assert "| mean | 1-kvstage-consumer | | | 2.000 | 2.000 | 2.000 | 2.000 | 2.000 |" in text
+    assert text.count("\n| ") == 2 * 2 + 2 + 1  # rows, means, the header's separator

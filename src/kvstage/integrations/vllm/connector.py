@@ -80,9 +80,10 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   seconds and failures (kvstage's copy op is metered where kvstage installs it), joined
   when vLLM asks for the step's stats, so the periodic "KV Transfer metrics" log and
   ``/metrics`` (``vllm:kvstage_*``) show them.
-- Hook times (`hook_time`): every per-step hook vLLM calls here is timed (wall ns), the
-  totals reach ``/metrics`` about once a second (``vllm:kvstage_hook_seconds_total{hook}``,
-  ``..._calls_total``): the connector's own cost per engine step, on a running instance.
+- Hook times (`hook_time`, ``kvstage_time_hooks: true``): every per-step hook vLLM calls
+  here is timed (wall ns), the totals reach ``/metrics`` about once a second
+  (``vllm:kvstage_hook_seconds_total{hook}``, ``..._calls_total``): the connector's own cost
+  per engine step, on a running instance. Off by default, nothing is wrapped.
 - Quiet steps (`quiet`): a worker step whose metadata carries nothing for the connector,
   with no READ or send of its own in flight, skips vLLM's NIXL bookkeeping
   (``start_load_kv``, ``get_transfer_results``, the save, the load-error queue, vLLM's
@@ -157,11 +158,8 @@ SLEEP_MODE_REFUSAL = (
 )
 
 
-@time_hooks  # vllm:kvstage_hook_seconds_total: the connector's own cost per step
 class KVStageConnector(NixlConnector):
     """vLLM's NIXL (pull) connector with kvstage's host-buffer side; see the module doc."""
-
-    kvstage_clock: HookClock | None = None  # hook_time.py (None: hooks not timed)
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -174,7 +172,11 @@ class KVStageConnector(NixlConnector):
         if self.kvstage_config.verify_checksum:
             check_available()  # the install hint now, not at the first request
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        self.kvstage_clock = HookClock(side) if self.kvstage_config.time_hooks else None
+        # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times
+        # (vllm:kvstage_hook_seconds_total: the connector's own cost per step)
+        self.kvstage_clock = HookClock(side)
+        if self.kvstage_config.time_hooks:
+            time_hooks(self, self.kvstage_clock)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KVStageConnectorScheduler(
                 vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
@@ -191,14 +193,19 @@ class KVStageConnector(NixlConnector):
         return None if worker is None else worker._kvstage_checksums.worker_meta()
 
     def get_kv_connector_stats(self) -> KVStageStats | None:
-        # hook times about once a second (hook_time.py), on both sides
+        # about once a second (hook_time.py), on both sides: the steps quiet since the last
+        # time (quiet.py) and, when timed, the hooks' times
         clock = self.kvstage_clock
-        hooks = None if clock is None else clock.take()
         worker, scheduler = self.connector_worker, self.connector_scheduler
         timed: dict[str, list[list[Any]]] = {}
-        if clock is not None and hooks:  # with them, the steps quiet since the last (quiet.py)
-            quiet = worker.kvstage_quiet if worker is not None else scheduler.kvstage_quiet
-            timed = {HOOK_KEY: hooks, QUIET_KEY: [[clock.side, take(quiet)]]}
+        if clock.due():
+            quiet = take(worker.kvstage_quiet if worker is not None
+                         else scheduler.kvstage_quiet)
+            hooks = clock.take()
+            if quiet:
+                timed[QUIET_KEY] = [[clock.side, quiet]]
+            if hooks:
+                timed[HOOK_KEY] = hooks
         if worker is None or not worker.kvstage_quiet.stats_due():
             # the scheduler side, or a worker whose steps since the last call were quiet
             # (quiet.py: no bookkeeping, no copy ran; a copy thread's late figures wait

@@ -2,26 +2,30 @@
 
 Contract
 --------
-`time_hooks(cls)` wraps the per-step hooks vLLM calls on a connector (`SCHEDULER_HOOKS` in
-the engine core's scheduler, `WORKER_HOOKS` in the worker's ``execute_model``) so that
-each call adds its wall nanoseconds (``perf_counter_ns``, so a hook that waits counts) to
-the instance's `HookClock` (``self.kvstage_clock``; None: not timed). A hook's time is
-everything the connector does in it, vLLM's NIXL code it inherits included. What vLLM does
-around the hooks because a connector is loaded (its output objects, the per-layer
+`time_hooks(obj, clock)` shadows, on the one connector instance ``obj``, the per-step hooks
+vLLM calls on its side (`SCHEDULER_HOOKS` in the engine core's scheduler, `WORKER_HOOKS` in
+the worker's ``execute_model``; ``clock.side``) with wrappers that add each call's wall
+nanoseconds (``perf_counter_ns``, so a hook that waits counts) to ``clock``. A hook's time
+is everything the connector does in it, vLLM's NIXL code it inherits included. What vLLM
+does around the hooks because a connector is loaded (its output objects, the per-layer
 ``wait_for_layer_load``/``save_kv_layer`` calls, which the NIXL connector leaves empty) is
 not in it: the A/B bench (`bench.step_cost`) puts the two side by side.
 
-`HookClock.take()` hands the totals out at most once per ``flush_s`` (default 1 s), as
-``[name, seconds, calls]`` entries (name ``scheduler.<hook>`` or ``worker.<hook>``), so the
-connector's stats are empty on most steps and vLLM ships nothing extra per step;
-``take(force=True)`` hands them out now. The stats carry them to ``/metrics`` as
-``vllm:kvstage_hook_seconds_total{hook=...}`` and ``vllm:kvstage_hook_calls_total{hook=...}``
-(`stats`): per hook, seconds over calls is its cost per call, and the calls of
-``scheduler.build_connector_meta`` / ``worker.get_transfer_results`` count engine steps.
+Timing is opt-in (``kvstage_time_hooks: true``): a wrapper is one more call per hook, and
+each step makes its first calls with caches the forward has just cooled (about 1 % of a
+tiny model's worker samples, BENCHMARKS "Quiet steps"). Untimed, the class's methods are
+called directly: nothing is wrapped, nothing is paid.
 
-Cost: two ``perf_counter_ns`` calls and two dict updates per hook call, about 18 hook
-calls per step; ``kvstage_time_hooks: false`` turns it off. No vLLM import; no thread: a
-clock is used by the one thread that calls its side's hooks.
+`HookClock` is also the connector's once-a-second tick: ``due()`` is True at most once per
+``flush_s`` (default 1 s), and ``take()`` then hands out the hook totals as
+``[name, seconds, calls]`` entries (name ``scheduler.<hook>`` or ``worker.<hook>``), so the
+connector's stats are empty on most steps and vLLM ships nothing extra per step. The stats
+carry them to ``/metrics`` as ``vllm:kvstage_hook_seconds_total{hook=...}`` and
+``vllm:kvstage_hook_calls_total{hook=...}`` (`stats`): per hook, seconds over calls is its
+cost per call, and the calls of ``scheduler.build_connector_meta`` /
+``worker.get_transfer_results`` count engine steps.
+
+No vLLM import; no thread: a clock is used by the one thread that calls its side's hooks.
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ FLUSH_S = 1.0
 
 
 class HookClock:
-    """Per-hook wall nanoseconds and calls of one side (``"scheduler"`` or ``"worker"``)."""
+    """Per-hook wall nanoseconds and calls of one side (``"scheduler"`` or ``"worker"``),
+    and that side's once-per-``flush_s`` tick."""
 
     def __init__(self, side: str, flush_s: float = FLUSH_S,
                  clock: Callable[[], int] = time.perf_counter_ns) -> None:
@@ -67,39 +72,43 @@ class HookClock:
         self.ns[hook] = self.ns.get(hook, 0) + ns
         self.calls[hook] = self.calls.get(hook, 0) + 1
 
-    def take(self, force: bool = False) -> list[list[Any]] | None:
-        """The totals since the last take as ``[side.hook, seconds, calls]`` (and reset),
-        or None when there are none or the last take was under ``flush_s`` ago."""
+    def due(self) -> bool:
+        """True at most once per ``flush_s``: the time to hand out what was counted."""
         now = self.clock()
-        if not self.calls or (not force and now - self._flushed < self.flush_ns):
+        if now - self._flushed < self.flush_ns:
+            return False
+        self._flushed = now
+        return True
+
+    def take(self) -> list[list[Any]] | None:
+        """The hook totals since the last take as ``[side.hook, seconds, calls]`` (and
+        reset), or None when no hook was timed."""
+        if not self.calls:
             return None
         out = [[f"{self.side}.{h}", self.ns[h] / 1e9, n] for h, n in self.calls.items()]
-        self.ns, self.calls, self._flushed = {}, {}, now
+        self.ns, self.calls = {}, {}
         return out
 
 
-def _timed(hook: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
-        clock: HookClock | None = self.kvstage_clock
-        if clock is None:
-            return fn(self, *args, **kwargs)
-        start = time.perf_counter_ns()
+def _timed(hook: str, method: Callable[..., Any], clock: HookClock) -> Callable[..., Any]:
+    add, now = clock.add, time.perf_counter_ns
+
+    @functools.wraps(method)
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        start = now()
         try:
-            return fn(self, *args, **kwargs)
+            return method(*args, **kwargs)
         finally:
-            clock.add(hook, time.perf_counter_ns() - start)
+            add(hook, now() - start)
 
     return timed
 
 
-def time_hooks(cls: type) -> type:
-    """``cls`` with every hook of `SCHEDULER_HOOKS` and `WORKER_HOOKS` it has timed into
-    ``self.kvstage_clock`` (a class attribute None until an instance sets its own)."""
-    for hook in dict.fromkeys(SCHEDULER_HOOKS + WORKER_HOOKS):
-        fn = getattr(cls, hook, None)
-        if fn is not None:
-            setattr(cls, hook, _timed(hook, fn))
-    if not hasattr(cls, "kvstage_clock"):
-        cls.kvstage_clock = None  # type: ignore[attr-defined]
-    return cls
+def time_hooks(obj: Any, clock: HookClock) -> None:
+    """Time into ``clock`` every hook of ``clock.side`` that ``obj`` has (`SCHEDULER_HOOKS`
+    or `WORKER_HOOKS`), on ``obj`` alone: its class is left as it is."""
+    hooks = SCHEDULER_HOOKS if clock.side == "scheduler" else WORKER_HOOKS
+    for hook in hooks:
+        method = getattr(obj, hook, None)
+        if callable(method):
+            setattr(obj, hook, _timed(hook, method, clock))

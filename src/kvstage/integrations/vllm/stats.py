@@ -23,7 +23,8 @@ only kvstage does, the copies between the device KV cache and the host buffers:
   ``vllm:kvstage_copy_failures_total``, and per hook (label ``hook``) the counters
   ``vllm:kvstage_hook_seconds_total`` / ``vllm:kvstage_hook_calls_total`` of `hook_time`
   and per side (label ``side``) ``vllm:kvstage_quiet_steps_total`` of `quiet` (the entries
-  reach the stats about once a second, from either side, with the hook times).
+  reach the stats about once a second, from either side; the hook times only with
+  ``kvstage_time_hooks``).
 - `MeteredCopy`: wraps kvstage's copy op (vLLM's ``CopyBlocksOp`` signature), the worker's
   ``copy_blocks``, and records each call into the worker's own `KVStageStats` of copies;
   it re-raises a copy's error after counting it. vLLM's stats object (``xfer_stats``) is

@@ -1,0 +1,62 @@
+"""Ratios of two servers' latencies in an interleaved A/B, with paired bootstrap intervals.
+
+On this shared 2-core VM one request's mean inter-token gap moves by 40 % from one request
+to the next (the same server, seconds apart: interference from outside), so a ratio of
+means over 40 rounds is only known to about +-7 %, and two identical servers' means differ
+by that much. The low percentiles do not move with it: the 10th percentile of the gaps is
+the step as it runs when nothing else takes the core, and two identical servers' agree
+within about 1 % (BENCHMARKS "A/B floors"). So each statistic is given with its own
+interval: ``p10`` is what a server costs per step, ``mean`` and ``p90`` what it costs
+including whatever it (or the box) adds on top, e.g. a thread of its own waking up.
+
+`ratios(base, other)`: per statistic of `STATS`, ``[other's / base's, low, high]``, the
+interval the 95 % of ``resamples`` bootstrap resamples of the ROUNDS give (paired: round
+``r`` of both servers is resampled together, as their requests ran seconds apart under the
+same load; a resample pools the samples of its rounds). ``base`` and ``other``: per round,
+the samples of that round (a request's gaps, or its one TTFT).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["STATS", "ratios"]
+
+
+def _percentile(q: float) -> Callable[[np.ndarray], float]:
+    return lambda x: float(np.percentile(x, q))
+
+
+#: the statistics a ratio is given for
+STATS: dict[str, Callable[[np.ndarray], float]] = {
+    "mean": lambda x: float(np.mean(x)),
+    "p10": _percentile(10),
+    "p50": _percentile(50),
+    "p90": _percentile(90),
+}
+
+
+def ratios(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
+           resamples: int = 1000, seed: int = 0) -> dict[str, list[float]]:
+    """See the module doc. Rounds of unequal count, or fewer than 2: NaN intervals."""
+    a = [np.asarray(r, dtype=float) for r in base]
+    b = [np.asarray(r, dtype=float) for r in other]
+    out = {}
+    for name, stat in STATS.items():
+        whole = stat(np.concatenate(b)) / stat(np.concatenate(a)) if a and b else float("nan")
+        out[name] = [round(whole, 4), float("nan"), float("nan")]
+    if len(a) != len(b) or len(a) < 2:
+        return out
+    picks = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    draws: dict[str, list[float]] = {name: [] for name in STATS}
+    for pick in picks:
+        pa = np.concatenate([a[i] for i in pick])
+        pb = np.concatenate([b[i] for i in pick])
+        for name, stat in STATS.items():
+            draws[name].append(stat(pb) / stat(pa))
+    for name, values in draws.items():
+        low, high = np.percentile(values, [2.5, 97.5])
+        out[name][1:] = [round(float(low), 4), round(float(high), 4)]
+    return out
