@@ -1,19 +1,19 @@
 """Ratios of two servers' latencies in an interleaved A/B, with paired bootstrap intervals.
 
-On this shared 2-core VM one request's mean inter-token gap moves by 40 % from one request
-to the next (the same server, seconds apart: interference from outside), so a ratio of
-means over 40 rounds is only known to about +-7 %, and two identical servers' means differ
-by that much. The low percentiles do not move with it: the 10th percentile of the gaps is
-the step as it runs when nothing else takes the core, and two identical servers' agree
-within about 1 % (BENCHMARKS "A/B floors"). So each statistic is given with its own
-interval: ``p10`` is what a server costs per step, ``mean`` and ``p90`` what it costs
-including whatever it (or the box) adds on top, e.g. a thread of its own waking up.
+On this shared 2-core VM one request's mean inter-token gap moves between 2.8 and 5 ms
+from one request to the next (the same server, seconds apart; a server's api_server,
+engine core and busy-looping worker share one core), so a ratio over a few tens of
+rounds is only known to several percent, and two identical servers differ by that much.
+Each ratio therefore comes with its interval, and for several statistics: ``mean`` (what
+a client sees on average), ``p10`` (the quick requests: the step as it runs when little
+else gets in the way), ``p50`` and ``p90`` (whatever a server, or the box, adds on top,
+such as a thread of its own waking up).
 
 `ratios(base, other)`: per statistic of `STATS`, ``[other's / base's, low, high]``, the
 interval the 95 % of ``resamples`` bootstrap resamples of the ROUNDS give (paired: round
 ``r`` of both servers is resampled together, as their requests ran seconds apart under the
 same load; a resample pools the samples of its rounds). ``base`` and ``other``: per round,
-the samples of that round (a request's gaps, or its one TTFT).
+the samples of that round (a request's TTFT, its mean gap, or its gaps).
 """
 
 from __future__ import annotations

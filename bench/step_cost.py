@@ -26,22 +26,31 @@ starts each arrangement afresh that many times, odd trials with the servers star
 rotated in reverse order: two identical servers differ by a few percent, the later-started
 one slower in every run seen, so an even number of trials cancels what depends on position.
 
-Per server: mean and median TTFT and ITL (the gaps between streamed tokens) and their
-ratio to the plain server's of the same trial; for kvstage servers, the milliseconds per
-engine step the connector's hooks took, scheduler and worker side, from their own
-``vllm:kvstage_hook_*`` counters (`kvstage.integrations.vllm.hook_time`); and the CPU time
+Per server: mean TTFT and ITL (the gaps between streamed tokens) and, to the plain server
+of the same trial, the ratios of the mean, 10th and 90th percentiles of its requests' TTFTs
+and of its requests' mean gaps, each with a 95 % interval from a paired bootstrap of the
+rounds (`bench.ab_stats`: one request's mean gap
+moves by tens of percent from one request to the next on this box, so a ratio without its
+interval says little); for kvstage servers started with ``--kv-extra
+kvstage_time_hooks=true``, the milliseconds per engine step the connector's hooks took,
+scheduler and worker side, from their own ``vllm:kvstage_hook_*`` counters
+(`kvstage.integrations.vllm.hook_time`; off by default, as the A/B measures the connector
+as it runs by default); and the CPU time
 (utime + stime from ``/proc/<pid>/task/<tid>/stat``) every thread of its process group took
 over the measured rounds, by thread (its name, and for threads other than a process's main
 one ``+N``, its id's offset from the process's: NIXL's and UCX's threads carry the
 process's name), so the difference can be attributed.
 
-Writes ``<out>/step_cost.json`` and ``<out>/step_cost.md``; logs under ``<out>/logs``.
+Writes ``<out>/step_cost.json`` (each request's TTFT and gaps included) and
+``<out>/step_cost.md``; logs under ``<out>/logs``. ``--table <out>/step_cost.json`` prints
+a saved run's tables again, its ratios recomputed, and starts nothing.
 Bad arguments: one line, exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
@@ -138,6 +147,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "(setarch -R) and with PYTHONHASHSEED=0: fewer ways for two starts of "
                    "the same server to differ")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--table", metavar="JSON", default=None,
+                   help="start nothing: print the tables of a step_cost.json this bench "
+                   "wrote, its ratios recomputed")
     a = p.parse_args(argv)
     names = [n for n in a.arrangements.split(",") if n]
     if not names or any(n not in ARRANGEMENTS for n in names):
@@ -284,11 +296,22 @@ def trial(name: str, t: int, model: str, args: argparse.Namespace,
     rows: list[dict[str, Any]] = [{} for _ in kinds]
     for position, i in enumerate(order):
         rows[i] = {**measured[position], "server": f"{i}-{kinds[i]}", "started": position}
+    return with_ratios(rows)
+
+
+def _mean_gaps(row: dict[str, Any]) -> list[list[float]]:
+    return [[float(np.mean(gaps))] for gaps in row["gaps_by_round_ms"]]
+
+
+def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (one trial's, plain first) with each one's ratios to the plain server:
+    ``<key>_x`` of the means and medians, and ``ttft_stats_x`` / ``itl_stats_x``
+    (`bench.ab_stats`, over the requests: each request's TTFT, each request's mean gap)."""
     for row in rows:
         for key in ("ttft", "itl", "ttft_median", "itl_median"):
             row[f"{key}_x"] = row[f"{key}_ms"] / rows[0][f"{key}_ms"]
-        for key, samples in (("ttft", "ttft_by_round_ms"), ("itl", "gaps_by_round_ms")):
-            row[f"{key}_stats_x"] = ratios(rows[0][samples], row[samples])
+        row["ttft_stats_x"] = ratios(rows[0]["ttft_by_round_ms"], row["ttft_by_round_ms"])
+        row["itl_stats_x"] = ratios(_mean_gaps(rows[0]), _mean_gaps(row))
     return rows
 
 
@@ -324,8 +347,27 @@ def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def retable(path: str) -> str:
+    """The tables of a saved ``step_cost.json``, ratios recomputed (`with_ratios`)."""
+    try:
+        results = json.loads(Path(path).read_text())["results"]
+        return "\n".join(table(name, [with_ratios(rows) for rows in trials])
+                         for name, trials in results.items())
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"--table {path}: expected a step_cost.json this bench wrote "
+                         f"(with gaps_by_round_ms), could not read it: {e!r}; rerun the "
+                         "bench to get one") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.table is not None:
+        try:
+            print(retable(args.table))
+        except ValueError as e:
+            print(e, file=sys.stderr)
+            return 2
+        return 0
     out, model, rng, started = begin(args)
     results: dict[str, list[list[dict[str, Any]]]] = {}
     client_off(args.core)

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import http.server
+import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -101,3 +103,29 @@ def test_the_table_shows_each_ratio_with_its_interval_and_the_trials_mean() -> N
     assert "| 0 | 1-kvstage-consumer | 15.0 | 4.50 | 1.500 [1.500, 1.500] |" in text
     assert "| mean | 1-kvstage-consumer | | | 2.000 | 2.000 | 2.000 | 2.000 | 2.000 |" in text
     assert text.count("\n| ") == 2 * 2 + 2 + 1  # rows, means, the header's separator
+
+
+def test_table_rerenders_a_saved_result_and_refuses_another_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gaps = [[3.0, 3.2], [2.9, 4.0], [3.1, 3.0]]
+
+    def row(name: str, scale: float) -> dict[str, object]:
+        return {"server": name, "ttft_ms": 10.0 * scale, "itl_ms": 3.0 * scale,
+                "ttft_median_ms": 10.0 * scale, "itl_median_ms": 3.0 * scale,
+                "ttft_by_round_ms": [[10.0 * scale]] * 3,
+                "gaps_by_round_ms": [[g * scale for g in r] for r in gaps],
+                "cpu_by_thread": {}, "cpu_s": 1.0, "hook_ms_per_step": {}}
+
+    saved = tmp_path / "step_cost.json"
+    saved.write_text(json.dumps({"results": {"pair-producer": [
+        [row("0-plain", 1.0), row("1-kvstage-producer", 1.25)]]}}))
+    assert step_cost.main(["--table", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "#### pair-producer" in out
+    assert "| 0 | 1-kvstage-producer | 12.5 | 3.75 | " + " | ".join(
+        ["1.250 [1.250, 1.250]"] * 5) + " | - |" in out
+    saved.write_text(json.dumps({"results": {"pair-producer": [[{"server": "0-plain"}]]}}))
+    assert step_cost.main(["--table", str(saved)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"--table {saved}: expected a step_cost.json") and err[-1] == "\n"
+    assert err.count("\n") == 1
