@@ -1,6 +1,6 @@
 """Ratios of two servers' latencies in an interleaved A/B, with paired bootstrap intervals.
 
-On this shared 2-core VM one request's mean inter-token gap moves between 2.8 and 5 ms
+On this shared 2-core VM one request's mean inter-token gap moves between 2.8 and 5-7 ms
 from one request to the next (the same server, seconds apart; a server's api_server,
 engine core and busy-looping worker share one core), so a ratio over a few tens of
 rounds is only known to several percent, and two identical servers differ by that much.
