@@ -40,9 +40,10 @@ What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothin
   prompt in its last step.
 - Handshake: the compatibility hash carries ``kvstage<N>:``; the decode side refuses a
   prefill peer whose hash lacks it, saying the peer does not run kvstage (a plain NIXL peer
-  would read or serve per-layer buffers), and the check is always enforced. When vLLM's
-  handshake fails, the peer's hash is asked for again (`remote_compat_hash`, bounded) to
-  word the refusal: the decision is on that hash, not on vLLM's error text.
+  would read or serve per-layer buffers), and the check is always enforced. The decode asks
+  a new peer's hash (`remote_compat_hash`, bounded) before vLLM's handshake and refuses a
+  foreign one at once; when vLLM's handshake fails, it asks again to word the refusal: the
+  decision is on that hash, never on vLLM's error text.
 - Side channel and notifications (`secure`, `secure_handshake`): with a shared key
   (``KVSTAGE_KEY``, or a file named by ``kvstage_key_file`` in ``kv_connector_extra_config``)
   the handshake is sealed with kvstage's HMAC envelope (a peer without the key gets a

@@ -203,6 +203,13 @@ class KVStageConnectorWorker(NixlConnectorWorker):
     ) -> tuple[dict[tuple[int, int], str], float]:
         security = self._kvstage_security
         security.check_address(host, action="handshake with the prefill at")
+        # The peer's hash first (one round trip per new peer, bounded): a peer that is not
+        # kvstage is refused on it, whatever vLLM's handshake would then raise (a listener
+        # too slow for its 5 s gives zmq.Again, not its hash mismatch). No answer: vLLM's
+        # handshake decides, and its failure asks once more below.
+        remote = remote_compat_hash(host, port, key=security.key)
+        if remote is not None:
+            refuse_foreign(host, port, remote)
         try:
             if self._kvstage_handshake is None:
                 return super()._nixl_handshake(host, port, *args, **kwargs)
@@ -214,25 +221,31 @@ class KVStageConnectorWorker(NixlConnectorWorker):
             remote = remote_compat_hash(host, port, key=security.key)
             if remote is None or remote == self.compat_hash:
                 raise  # not a hash mismatch (or the peer is gone): vLLM's error stands
-            if remote.startswith(secure_handshake.REFUSED_PREFIX):  # e.g. we have no key
-                raise secure_handshake.HandshakeRefused(
-                    f"the prefill at {host}:{port} refused the handshake: "
-                    f"{remote[len(secure_handshake.REFUSED_PREFIX):]!r}"
-                ) from e
-            if not remote.startswith("kvstage"):
-                raise RuntimeError(
-                    f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
-                    f"KV connector (its handshake hash {remote[:16]}... has no "
-                    f"{HASH_PREFIX!r} prefix). Both instances must load KVStageConnector "
-                    '("kv_connector": "KVStageConnector", "kv_connector_module_path": '
-                    '"kvstage.integrations.vllm"): a plain NixlConnector peer stages '
-                    "through per-layer buffers that do not match kvstage's host layout"
-                ) from e
+            refuse_foreign(host, port, remote, cause=e)
             raise RuntimeError(
                 f"the prefill peer at {host}:{port} runs kvstage but a different "
                 f"configuration or version (local hash {self.compat_hash}, remote "
                 f"{remote}): {e}"
             ) from e
+
+
+def refuse_foreign(host: str, port: int, remote: str, cause: Exception | None = None) -> None:
+    """Raise, saying why, when the peer at ``host:port`` whose handshake hash is ``remote``
+    refused us or does not run kvstage's connector; return when it runs kvstage."""
+    if remote.startswith(secure_handshake.REFUSED_PREFIX):  # e.g. we have no key
+        raise secure_handshake.HandshakeRefused(
+            f"the prefill at {host}:{port} refused the handshake: "
+            f"{remote[len(secure_handshake.REFUSED_PREFIX):]!r}"
+        ) from cause
+    if not remote.startswith("kvstage"):
+        raise RuntimeError(
+            f"refused the prefill peer at {host}:{port}: it does not run kvstage's "
+            f"KV connector (its handshake hash {remote[:16]}... has no "
+            f"{HASH_PREFIX!r} prefix). Both instances must load KVStageConnector "
+            '("kv_connector": "KVStageConnector", "kv_connector_module_path": '
+            '"kvstage.integrations.vllm"): a plain NixlConnector peer stages '
+            "through per-layer buffers that do not match kvstage's host layout"
+        ) from cause
 
 
 def keep_within(placement: set[int]) -> None:
