@@ -14,6 +14,11 @@ interval the 95 % of ``resamples`` bootstrap resamples of the ROUNDS give (paire
 ``r`` of both servers is resampled together, as their requests ran seconds apart under the
 same load; a resample pools the samples of its rounds). ``base`` and ``other``: per round,
 the samples of that round (a request's TTFT, its mean gap, or its gaps).
+
+`across_starts(values)`: one ratio measured on several fresh starts of the servers,
+``[geometric mean, low, high]`` with a 95 % Student-t interval over the starts (on the
+logs). A start's own interval leaves out its processes' luck (two identical servers
+started afresh differ by several percent, start to start); this one has it in.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-__all__ = ["STATS", "ratios"]
+__all__ = ["STATS", "across_starts", "ratios"]
 
 
 def _percentile(q: float) -> Callable[[np.ndarray], float]:
@@ -60,3 +65,22 @@ def ratios(base: Sequence[Sequence[float]], other: Sequence[Sequence[float]],
         low, high = np.percentile(values, [2.5, 97.5])
         out[name][1:] = [round(float(low), 4), round(float(high), 4)]
     return out
+
+
+#: Student t's 97.5th percentile by degrees of freedom (1-30; beyond, 30's is within 2 %)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def across_starts(values: Sequence[float]) -> list[float]:
+    """See the module doc. Fewer than 2 starts: a NaN interval."""
+    logs = np.log(np.asarray(values, dtype=float))
+    if not len(logs):
+        return [float("nan")] * 3
+    centre = float(np.mean(logs))
+    if len(logs) < 2:
+        return [round(float(np.exp(centre)), 4), float("nan"), float("nan")]
+    half = _T975[min(len(logs) - 1, len(_T975)) - 1] * float(np.std(logs, ddof=1)) / np.sqrt(
+        len(logs))
+    return [round(float(np.exp(x)), 4) for x in (centre, centre - half, centre + half)]

@@ -9,6 +9,8 @@ to ONE core (``--core``, default the last; the client runs on the others), the t
 - ``three``: plain and two kvstage consumers;
 - ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer;
 - ``control``: two plain servers (A/A: what two identical servers differ by on this box);
+- ``aab``: two plain servers and a kvstage consumer: the A/A and the A/B of one start side
+  by side, for many starts (``--trials``);
 - ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
   (whose busy-polling progress thread takes a core's share in ``four``);
 - ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
@@ -60,7 +62,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.ab_stats import ratios
+from bench.ab_stats import across_starts, ratios
 from bench.stream import (
     add_kv_extra,
     add_settle,
@@ -93,6 +95,7 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "pair-consumer": ("plain", "kvstage-consumer"),
     "pair-producer": ("plain", "kvstage-producer"),
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
+    "aab": ("plain", "plain", "kvstage-consumer"),  # A/A and A/B in one start
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
     # the quiet-step cut itself: a consumer with it, one without (quiet.py)
     "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
@@ -322,7 +325,8 @@ SHOWN = (("ttft", "mean"), ("ttft", "p10"), ("itl", "mean"), ("itl", "p10"), ("i
 def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
     """Per trial and server: the ratios to the plain server with their 95 % intervals over
     the rounds (`bench.ab_stats`), hook time per step, CPU by thread; with more than one
-    trial, each ratio's mean over them."""
+    trial, each ratio's geometric mean over them with its 95 % interval over the starts
+    (`bench.ab_stats.across_starts`)."""
     head = " | ".join(f"{k.upper()} {stat} x plain [95 %]" for k, stat in SHOWN)
     lines = [f"#### {name}", "",
              f"| trial | server | TTFT ms | ITL ms | {head} | hooks ms/step (sched, worker) "
@@ -338,12 +342,11 @@ def table(name: str, trials: list[list[dict[str, Any]]]) -> str:
                                for k, stat in SHOWN)
             lines.append(f"| {t} | {r['server']} | {r['ttft_ms']:.1f} | {r['itl_ms']:.2f} | "
                          f"{shown} | {spent} | {r['cpu_s']:.2f} | {top} |")
-    if len(trials) > 1:  # fresh servers each trial: a process's own luck averages out
+    if len(trials) > 1:  # fresh servers each trial: a process's own luck is in the spread
         for i, r in enumerate(trials[0]):
-            shown = " | ".join(
-                f"{np.mean([rows[i][f'{k}_stats_x'][stat][0] for rows in trials]):.3f}"
-                for k, stat in SHOWN)
-            lines.append(f"| mean | {r['server']} | | | {shown} | | | |")
+            shown = " | ".join("{:.3f} [{:.3f}, {:.3f}]".format(*across_starts(
+                [rows[i][f"{k}_stats_x"][stat][0] for rows in trials])) for k, stat in SHOWN)
+            lines.append(f"| over {len(trials)} starts | {r['server']} | | | {shown} | | | |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from bench.ab_stats import STATS, ratios
+from bench.ab_stats import STATS, across_starts, ratios
 
 BASE = [[3.0, 3.5, 2.9], [2.5, 4.0, 3.3], [4.1, 3.0, 2.8], [3.2, 3.1, 6.0], [2.7, 3.6, 3.4]]
 
@@ -40,3 +40,15 @@ def test_unpaired_or_single_rounds_have_no_interval() -> None:
         got = ratios(a, b)
         assert all(math.isnan(v[1]) and math.isnan(v[2]) for v in got.values())
     assert ratios([[1.0]], [[2.0]])["mean"][0] == 2.0
+
+
+def test_across_starts_is_the_geometric_mean_with_a_t_interval_over_the_starts() -> None:
+    got = across_starts([1.0, 1.1, 0.95, 1.05])
+    logs = np.log([1.0, 1.1, 0.95, 1.05])
+    half = 3.182 * logs.std(ddof=1) / 2  # t(3 degrees of freedom) x the standard error
+    assert got == [round(float(np.exp(x)), 4)
+                   for x in (logs.mean(), logs.mean() - half, logs.mean() + half)]
+    assert across_starts([1.2, 1.2, 1.2]) == [1.2, 1.2, 1.2]  # identical starts: degenerate
+    one = across_starts([1.03])
+    assert one[0] == 1.03 and math.isnan(one[1]) and math.isnan(one[2])
+    assert all(math.isnan(v) for v in across_starts([]))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,7 +102,12 @@ def test_the_table_shows_each_ratio_with_its_interval_and_the_trials_mean() -> N
         rows.append(trial)
     text = step_cost.table("pair-consumer", rows)
     assert "| 0 | 1-kvstage-consumer | 15.0 | 4.50 | 1.500 [1.500, 1.500] |" in text
-    assert "| mean | 1-kvstage-consumer | | | 2.000 | 2.000 | 2.000 | 2.000 | 2.000 |" in text
+    # over the starts: the geometric mean of 1.5 and 2.5, its t interval (1 degree of freedom)
+    half = 12.706 * abs(math.log(2.5 / 1.5)) / 2
+    centre = math.sqrt(3.75)
+    low, high = (round(centre * math.exp(s), 4) for s in (-half, half))
+    over = f"{round(centre, 4):.3f} [{low:.3f}, {high:.3f}]"  # as rounded by across_starts
+    assert f"| over 2 starts | 1-kvstage-consumer | | | {over} |" in text
     assert text.count("\n| ") == 2 * 2 + 2 + 1  # rows, means, the header's separator
 
 
