@@ -11,6 +11,8 @@ to ONE core (``--core``, default the last; the client runs on the others), the t
 - ``control``: two plain servers (A/A: what two identical servers differ by on this box);
 - ``aab``: two plain servers and a kvstage consumer: the A/A and the A/B of one start side
   by side, for many starts (``--trials``);
+- ``null``: plain, a server with a KV connector that does nothing (`bench.null_connector`:
+  what vLLM's connector machinery costs any connector) and a kvstage consumer;
 - ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
   (whose busy-polling progress thread takes a core's share in ``four``);
 - ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
@@ -84,6 +86,7 @@ KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_ro
     "kvstage-producer": ("kvstage", "kv_producer"),
     "nixl-consumer": ("nixl", "kv_consumer"),
     "kvstage-every-step": ("kvstage", "kv_consumer"),
+    "null-connector": ("null", "kv_both"),  # bench.null_connector: vLLM's machinery only
 }
 #: kv_connector_extra_config a kind adds to ``--kv-extra``'s
 KIND_EXTRA: dict[str, dict[str, Any]] = {
@@ -96,6 +99,7 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "pair-producer": ("plain", "kvstage-producer"),
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
     "aab": ("plain", "plain", "kvstage-consumer"),  # A/A and A/B in one start
+    "null": ("plain", "null-connector", "kvstage-consumer"),  # vLLM's share, kvstage's
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
     # the quiet-step cut itself: a consumer with it, one without (quiet.py)
     "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
@@ -199,6 +203,9 @@ def kv_config(kind: str, extra: dict[str, Any]) -> dict[str, Any] | None:
     spec = KINDS[kind]
     if spec is None:
         return None
+    if spec[0] == "null":
+        return {"kv_connector": "NullConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "bench.null_connector"}
     if spec[0] == "kvstage":
         return connector_config("kvstage", spec[1], device="cpu", policy="fail",
                                 extra={**extra, **KIND_EXTRA.get(kind, {})})
