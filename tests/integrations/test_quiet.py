@@ -9,6 +9,7 @@ import pytest
 
 from kvstage.integrations.vllm.quiet import (
     FIELDS,
+    Pauses,
     QuietBuilds,
     QuietSteps,
     carries_work,
@@ -126,8 +127,47 @@ def test_stats_are_due_once_after_a_full_step() -> None:
     steps(q, clock, 3)
     assert not q.stats_due()
     clock.t += 0.2
+    q.begin(meta())  # the first step after a pause: its poll waits a step (`Pauses`)
+    assert not q.stats_due()
+    clock.t += 0.001
     q.begin(meta())
     assert q.stats_due()
+
+
+def test_the_first_step_after_a_pause_leaves_the_poll_to_the_next_step() -> None:
+    """A new request's first token is computed in the first step after a pause: the full
+    step the poll alone made due runs in the step after it, once; work runs at once."""
+    clock = Clock()
+    q = QuietSteps(0.125, clock)
+    assert q.begin(meta())  # the very first step polls
+    assert steps(q, clock, 9) == [False] * 7 + [True, False]  # back to back: no deferral
+    clock.t += 5.0  # a pause
+    assert steps(q, clock, 3, dt=0.002) == [False, True, False]
+    # a pause, one step (deferred), another pause: that step runs the poll (once only)
+    clock.t += 5.0
+    assert steps(q, clock, 1) == [False]
+    clock.t += 5.0
+    assert steps(q, clock, 2, dt=0.002) == [True, False]
+    clock.t += 5.0  # work after a pause is never deferred
+    assert q.begin(meta(reqs_in_batch={"p"}))
+    b = QuietBuilds(0.125, clock)  # the scheduler side shares the rule
+    assert b.full() and not b.full()
+    clock.t += 5.0
+    assert not b.full()
+    clock.t += 0.002
+    assert b.full()
+
+
+def test_pauses_defer_due_work_once_and_never_with_gap_zero() -> None:
+    p = Pauses(1.0)
+    assert not p.defer(0.0, True)  # the first call: no pause to follow
+    assert not p.defer(0.5, True)  # back to back
+    assert p.defer(2.0, True) and not p.defer(2.1, True)  # after a pause, once
+    assert not p.defer(4.0, False)  # nothing due: nothing deferred
+    assert p.defer(6.0, True)
+    assert not p.defer(8.0, True)  # deferred already: the work runs now
+    zero = Pauses(0.0)
+    assert not zero.defer(0.0, True) and not zero.defer(9.0, True)
 
 
 def test_builds_are_quiet_until_touched_or_waiting() -> None:
@@ -143,7 +183,9 @@ def test_builds_are_quiet_until_touched_or_waiting() -> None:
     b.done(["d"])
     assert not b.full()
     assert b.full(busy=True)  # kvstage saving a prompt
-    clock.t += 0.1
+    clock.t += 0.099
+    assert not b.full()
+    clock.t += 0.002
     assert b.full()  # the poll
-    assert take(b) == 3
+    assert take(b) == 4
     assert QuietBuilds(0.0, clock).full() and QuietBuilds(0.0, clock).full()

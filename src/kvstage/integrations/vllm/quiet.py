@@ -22,7 +22,10 @@ A full step still runs at least every ``poll_s`` (``kvstage_quiet_poll_ms``, def
 0: every step, as vLLM): what vLLM's bookkeeping does for no tracked request (log a
 notification for an unknown or expired request, send the notification of a full local hit
 whose handshake finished late, release a failed peer) waits at most that long, where an
-engine with no step at all waits in vLLM until its next request.
+engine with no step at all waits in vLLM until its next request. The first step after a
+pause (`Pauses`: no step for ``poll_s``) is the one that computes a new request's first
+token: a full step the poll alone made due waits for the next step, once, so what a plain
+request's TTFT carries is the forward, not the bookkeeping (BENCHMARKS "Over ten starts").
 
 Which READs vLLM reports is its own rule, followed here: a request is tracked from
 ``reqs_to_recv`` when it awaits KV or has local blocks (``awaiting_kvs``,
@@ -47,7 +50,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["POLL_MS", "QUIET_KEY", "QuietBuilds", "QuietSteps", "carries_work", "take"]
+__all__ = ["POLL_MS", "QUIET_KEY", "Pauses", "QuietBuilds", "QuietSteps", "carries_work", "take"]
 
 POLL_MS = 100  # the default of kvstage_quiet_poll_ms
 #: the stats key (`stats.KVStageStats`) of ``[side, quiet steps]`` entries, sent with the
@@ -72,6 +75,31 @@ def carries_work(metadata: Any) -> bool:
     return any(getattr(metadata, name, None) for name in FIELDS)
 
 
+class Pauses:
+    """Periodic work off the first step after a pause. ``defer(now, due)`` is called once a
+    step (``now``: the clock's reading at its start; ``due``: whether the periodic work is
+    due in it) and says whether that work waits for the next step: True when the step
+    follows a pause (none started for ``gap``, > 0) and the work was not deferred already
+    since it last ran; so it waits one step at most, and an engine stepping back to back
+    (or with ``gap`` 0) never defers."""
+
+    def __init__(self, gap: float) -> None:
+        self.gap = gap
+        self._last: float | None = None
+        self._deferred = False
+
+    def defer(self, now: float, due: bool) -> bool:
+        last, self._last = self._last, now
+        if not due:
+            return False
+        if (self.gap > 0 and last is not None and now - last >= self.gap
+                and not self._deferred):
+            self._deferred = True
+            return True
+        self._deferred = False
+        return False
+
+
 class _Poll:
     """What both sides share: a step is full when it has work or ``poll_s`` (``clock``
     seconds) passed since the last full one; ``quiet`` counts the others (`take`)."""
@@ -81,10 +109,13 @@ class _Poll:
         self.clock = clock
         self.quiet = 0  # quiet steps since the last `take`
         self._last_full = -float("inf")
+        self._pauses = Pauses(poll_s)
 
     def _decide(self, work: bool) -> bool:
         now = self.clock()
-        if work or now - self._last_full >= self.poll_s:
+        polled = not work and now - self._last_full >= self.poll_s  # due by the poll alone
+        wait = self._pauses.defer(now, polled)  # once a step: it times the pauses
+        if work or (polled and not wait):
             self._last_full = now
             return True
         self.quiet += 1
