@@ -67,7 +67,7 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
      "diagnostic: a wrapper per hook call)"),
     ("kvstage_quiet_poll_ms", "int", str(POLL_MS), f"0..{MAX_QUIET_POLL_MS}",
      "worker: steps with no transfer skip vLLM's NIXL bookkeeping, run at least this often "
-     "(0: every step, as vLLM)"),
+     "(a step later after a pause; 0: every step, as vLLM)"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
      "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
 )

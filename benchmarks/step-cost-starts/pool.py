@@ -1,0 +1,55 @@
+"""Per-start ratios of the `bench.step_cost` runs in this folder, pooled over the starts
+(`bench.ab_stats.across_starts`: geometric mean and 95 % Student-t interval). One-off for
+BENCHMARKS "Over ten starts"; run from the checkout's root:
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step-cost-starts/pool.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bench.ab_stats import across_starts
+from bench.step_cost import with_ratios
+
+HERE = Path(__file__).parent
+SHOWN = (("ttft", "mean"), ("ttft", "p10"), ("itl", "mean"), ("itl", "p10"))
+
+
+def starts(name: str, arrangement: str) -> list[list[dict[str, Any]]]:
+    results = json.loads((HERE / f"{name}.json").read_text())["results"][arrangement]
+    return [with_ratios(rows) for rows in results]
+
+
+def x(rows: list[dict[str, Any]], server: str, k: str, stat: str) -> float:
+    return float(next(r for r in rows if r["server"] == server)[f"{k}_stats_x"][stat][0])
+
+
+def show(title: str, values: dict[tuple[str, str], list[float]]) -> None:
+    print(title)
+    for (k, stat), v in values.items():
+        print(f"  {k} {stat}: {across_starts(v)}")
+
+
+def main() -> None:
+    runs = {"aab": starts("aab", "aab"), "null": starts("null", "null")}
+    pause = HERE / "null-pause.json"
+    if pause.exists():
+        runs["null-pause"] = starts("null-pause", "null")
+    kv, null, aa = "2-kvstage-consumer", "1-null-connector", "1-plain"
+    for run in ("null", "null-pause"):
+        if run in runs:
+            show(f"kvstage / null connector, per start ({run}, {len(runs[run])} starts):",
+                 {(k, s): [x(t, kv, k, s) / x(t, null, k, s) for t in runs[run]]
+                  for k, s in SHOWN})
+    both = runs["aab"] + runs["null"]
+    show(f"kvstage / plain (aab and null, {len(both)} starts):",
+         {(k, s): [x(t, kv, k, s) for t in both] for k, s in SHOWN})
+    show("kvstage / the A/A's second plain (aab):",
+         {(k, s): [x(t, kv, k, s) / x(t, aa, k, s) for t in runs["aab"]] for k, s in SHOWN})
+
+
+if __name__ == "__main__":
+    main()
