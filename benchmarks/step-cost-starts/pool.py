@@ -34,13 +34,12 @@ def show(title: str, values: dict[tuple[str, str], list[float]]) -> None:
 
 
 def main() -> None:
-    runs = {"aab": starts("aab", "aab"), "null": starts("null", "null")}
-    pause = HERE / "null-pause.json"
-    if pause.exists():
-        runs["null-pause"] = starts("null-pause", "null")
+    runs = {"aab": starts("aab", "aab")}
+    for path in sorted(HERE.glob("null*.json")):  # null, null-pause, null-poll-10s
+        runs[path.stem] = starts(path.stem, "null")
     kv, null, aa = "2-kvstage-consumer", "1-null-connector", "1-plain"
-    for run in ("null", "null-pause"):
-        if run in runs:
+    for run in runs:
+        if run.startswith("null"):
             show(f"kvstage / null connector, per start ({run}, {len(runs[run])} starts):",
                  {(k, s): [x(t, kv, k, s) / x(t, null, k, s) for t in runs[run]]
                   for k, s in SHOWN})
