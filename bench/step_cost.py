@@ -174,15 +174,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def thread_cpu(pgid: int) -> dict[str, float]:
-    """CPU seconds so far of every thread of process group ``pgid``, by thread name."""
-    out: dict[str, float] = {}
+def group_pids(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (a server's api_server and engine core)."""
+    out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) != pgid:  # fields[2]: pgrp (the 5th field of stat)
-                continue
+            if int(fields[2]) == pgid:  # fields[2]: pgrp (the 5th field of stat)
+                out.append(int(pid))
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended while being read
+    return out
+
+
+def thread_cpu(pgid: int) -> dict[str, float]:
+    """CPU seconds so far of every thread of process group ``pgid``, by thread name."""
+    out: dict[str, float] = {}
+    for pid in map(str, group_pids(pgid)):
+        try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/stat") as f:
                     text = f.read()

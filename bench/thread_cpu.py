@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.step_cost import KINDS, start_servers
+from bench.step_cost import KINDS, group_pids, start_servers
 from bench.stream import client_off, first_and_gaps
 from kvstage.serving import served_model
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE
@@ -36,19 +36,6 @@ TICK = os.sysconf("SC_CLK_TCK")
 def read(path: str) -> str:
     with open(path) as f:
         return f.read()
-
-
-def group(pgid: int) -> list[int]:
-    """The processes of ``pgid`` (the api_server and its engine core)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            stat = read(f"/proc/{pid}/stat")
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            pids.append(int(pid))
-    return pids
 
 
 def sample(pids: list[int]) -> tuple[dict[str, float], Counter[str]]:
@@ -106,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             request(s.url)
             request(s.url)
         time.sleep(2)
-        pids = [group(s.pid) for s in servers]
+        pids = [group_pids(s.pid) for s in servers]
         idle = f"idle {args.idle_s:g} s"
         for phase in (idle, f"serving {args.requests} requests each", idle):
             before = [sample(p) for p in pids]
