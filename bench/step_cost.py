@@ -13,6 +13,8 @@ to ONE core (``--core``, default the last; the client runs on the others), the t
   by side, for many starts (``--trials``);
 - ``null``: plain, a server with a KV connector that does nothing (`bench.null_connector`:
   what vLLM's connector machinery costs any connector) and a kvstage consumer;
+- ``lean``: plain, the do-nothing connector, and the same connector on a vLLM with the
+  upstream change prototyped in `bench.lean_vllm` (idle steps skip the machinery);
 - ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
   (whose busy-polling progress thread takes a core's share in ``four``);
 - ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
@@ -87,7 +89,11 @@ KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_ro
     "nixl-consumer": ("nixl", "kv_consumer"),
     "kvstage-every-step": ("kvstage", "kv_consumer"),
     "null-connector": ("null", "kv_both"),  # bench.null_connector: vLLM's machinery only
+    "null-lean": ("lean", "kv_both"),  # bench.lean_vllm: the same with vLLM's idle steps
 }
+#: the bench's own connectors: (class, module) the servers import from the repository
+BENCH_CONNECTORS = {"null": ("NullConnector", "bench.null_connector"),
+                    "lean": ("LeanNullConnector", "bench.lean_vllm")}
 #: kv_connector_extra_config a kind adds to ``--kv-extra``'s
 KIND_EXTRA: dict[str, dict[str, Any]] = {
     "kvstage-every-step": {"kvstage_quiet_poll_ms": 0},  # vLLM's bookkeeping every step
@@ -100,6 +106,8 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
     "aab": ("plain", "plain", "kvstage-consumer"),  # A/A and A/B in one start
     "null": ("plain", "null-connector", "kvstage-consumer"),  # vLLM's share, kvstage's
+    # vLLM's share with and without the upstream change prototyped in bench.lean_vllm
+    "lean": ("plain", "null-connector", "null-lean"),
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
     # the quiet-step cut itself: a consumer with it, one without (quiet.py)
     "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
@@ -213,9 +221,9 @@ def kv_config(kind: str, extra: dict[str, Any]) -> dict[str, Any] | None:
     spec = KINDS[kind]
     if spec is None:
         return None
-    if spec[0] == "null":
-        return {"kv_connector": "NullConnector", "kv_role": "kv_both",
-                "kv_connector_module_path": "bench.null_connector"}
+    if spec[0] in BENCH_CONNECTORS:
+        name, module = BENCH_CONNECTORS[spec[0]]
+        return {"kv_connector": name, "kv_role": spec[1], "kv_connector_module_path": module}
     if spec[0] == "kvstage":
         return connector_config("kvstage", spec[1], device="cpu", policy="fail",
                                 extra={**extra, **KIND_EXTRA.get(kind, {})})

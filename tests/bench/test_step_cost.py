@@ -86,6 +86,12 @@ def test_each_kind_gets_its_connector_config() -> None:
     assert "kvstage_log_reads" not in nixl.get("kv_connector_extra_config", {})
     assert step_cost.ARRANGEMENTS["quiet"] == ("plain", "kvstage-consumer",
                                                "kvstage-every-step")
+    # the bench's own connectors, found by the servers in the repository
+    assert step_cost.kv_config("null-lean", {"kvstage_log_reads": True}) == {
+        "kv_connector": "LeanNullConnector", "kv_role": "kv_both",
+        "kv_connector_module_path": "bench.lean_vllm"}
+    assert step_cost.kv_config("null-connector", {})["kv_connector_module_path"] == (  # type: ignore[index]
+        "bench.null_connector")
 
 
 def test_the_table_shows_each_ratio_with_its_interval_and_the_trials_mean() -> None:
