@@ -8,20 +8,24 @@ worker meta, clear) whose ``KVConnectorOutput`` then travels to the scheduler. A
 that does nothing still costs 2.7-4.6 % of a plain server's ITL here (BENCHMARKS "Over ten
 starts"), more than kvstage's whole remaining share.
 
-The change proposed: the connector says, once a step after vLLM binds its metadata and
-before the forward, whether the step is idle for it (``step_is_idle(metadata) -> bool``;
+The change proposed: before the forward, vLLM asks the connector whether the step is idle
+for it (``step_is_idle(metadata) -> bool``, with the step's metadata, before binding it;
 the base class answers False, so every connector keeps today's behaviour). For an idle
-step vLLM skips the per-layer wrapper's connector calls and the per-step hooks, and the
-step carries no ``KVConnectorOutput`` (None: what a server without a connector sends).
+step vLLM skips the per-layer wrapper's connector calls and the per-step hooks (bind
+included), and the step carries no ``KVConnectorOutput`` (None: what a server without a
+connector sends). The proposal and its figures: BENCHMARKS "Idle connector steps".
 
 `apply` makes that change in the running vLLM by replacing two module attributes (the
 wrapper's ``has_kv_transfer_group`` lookup and the mixin's ``_get_kv_connector_output``)
-and leaves every connector without ``step_is_idle`` on vLLM's own path. `LeanNullConnector`
-is `bench.null_connector`'s connector with every step idle: what any connector would cost
-an instance with the change. The server finds it as ``"kv_connector_module_path":
-"bench.lean_vllm"``; building it applies the change in that process (vLLM builds a
-connector in each process that runs one: the scheduler's and the worker's). `bench.step_cost
---arrangements lean` serves it beside a plain server and the unchanged null connector.
+and leaves every connector without ``step_is_idle`` on vLLM's own path. Two connectors
+apply it when built (vLLM builds one in each process that runs one, the scheduler's and
+the worker's; the servers find them as ``"kv_connector_module_path": "bench.lean_vllm"``):
+- `LeanNullConnector`: `bench.null_connector`'s connector with every step idle, what any
+  connector would cost an instance with the change;
+- `LeanKVStageConnector`: kvstage's, whose ``KVStageConnector.step_is_idle`` answers (its
+  quiet steps, quiet.py).
+`bench.step_cost --arrangements lean` serves the first beside a plain server and the
+unchanged null connector; ``lean-kvstage`` the second beside plain and unchanged kvstage.
 """
 
 from __future__ import annotations
@@ -38,8 +42,9 @@ from vllm.model_executor.layers.attention import kv_transfer_utils
 from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
 from bench.null_connector import NullConnector
+from kvstage.integrations.vllm.connector import KVStageConnector
 
-__all__ = ["LeanNullConnector", "apply", "applied"]
+__all__ = ["LeanKVStageConnector", "LeanNullConnector", "apply", "applied"]
 
 logger = init_logger("vllm.bench.lean_vllm")  # under "vllm": its log handler prints it
 _ORIGINAL = KVConnectorModelRunnerMixin._get_kv_connector_output
@@ -61,6 +66,9 @@ def _output(scheduler_output: Any, defer_finalize: bool = False) -> Iterator[Any
         with _ORIGINAL(scheduler_output, defer_finalize=defer_finalize) as output:
             yield output
         return
+    if not _IDLE.__dict__.get("said"):  # in the server's log: the change is in effect
+        _IDLE.said = True
+        logger.info("bench.lean_vllm: idle connector steps in effect (pid %d)", os.getpid())
     _IDLE.step = True
     try:
         yield None
@@ -87,7 +95,13 @@ class LeanNullConnector(NullConnector):
         apply()
 
     def step_is_idle(self, metadata: Any) -> bool:
-        if not getattr(self, "_said", False):  # in the server's log: the change is in effect
-            self._said = True
-            logger.info("bench.lean_vllm: idle connector steps in effect (pid %d)", os.getpid())
         return True
+
+
+class LeanKVStageConnector(KVStageConnector):
+    """`KVStageConnector` on a vLLM with the change: its own ``step_is_idle`` (its quiet
+    steps, quiet.py) answers."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        apply()

@@ -2,24 +2,11 @@
 
     .venv-vllm/bin/python -m bench.step_cost --out benchmarks/step-cost
 
-Arrangements (``--arrangements``), each a set of api_servers started together, all pinned
-to ONE core (``--core``, default the last; the client runs on the others), the tiny Llama,
-`TINY_CPU_ENGINE_ARGS`:
-- ``four``: plain, kvstage consumer, kvstage producer, vLLM's NIXL consumer (host path);
-- ``three``: plain and two kvstage consumers;
-- ``pair-consumer`` / ``pair-producer``: plain and one kvstage consumer / producer;
-- ``control``: two plain servers (A/A: what two identical servers differ by on this box);
-- ``aab``: two plain servers and a kvstage consumer: the A/A and the A/B of one start side
-  by side, for many starts (``--trials``);
-- ``null``: plain, a server with a KV connector that does nothing (`bench.null_connector`:
-  what vLLM's connector machinery costs any connector) and a kvstage consumer;
-- ``lean``: plain, the do-nothing connector, and the same connector on a vLLM with the
-  upstream change prototyped in `bench.lean_vllm` (idle steps skip the machinery);
-- ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
-  (whose busy-polling progress thread takes a core's share in ``four``);
-- ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
-  NIXL bookkeeping in every step: the connector before quiet steps,
-  `kvstage.integrations.vllm.quiet`).
+Arrangements (``--arrangements``, `bench.step_kinds`), each a set of api_servers started
+together, all pinned to ONE core (``--core``, default the last; the client runs on the
+others), the tiny Llama, `TINY_CPU_ENGINE_ARGS`: plain servers beside kvstage consumers or
+producers, vLLM's NIXL consumer, a do-nothing connector, and the same on a vLLM with
+idle connector steps (`bench.lean_vllm`).
 Every request is a plain one (no ``kv_transfer_params``: nothing is saved, READ or
 copied), so what differs between the servers is what the connector does on its own: its
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds
@@ -67,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from bench.ab_stats import across_starts, ratios
+from bench.step_kinds import ARRANGEMENTS, KINDS, kv_config
 from bench.stream import (
     add_kv_extra,
     add_settle,
@@ -78,40 +66,10 @@ from bench.stream import (
 )
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, served_model
 from kvstage.serving.client import metric_by_label
-from kvstage.serving.cluster import api_server_instance, connector_config, free_ports
+from kvstage.serving.cluster import api_server_instance, free_ports
 from kvstage.serving.instances import Instance
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE  # the tiny Llama shares its tokenizer
 
-KINDS: dict[str, tuple[str, str] | None] = {  # server kind -> (connector, kv_role)
-    "plain": None,
-    "kvstage-consumer": ("kvstage", "kv_consumer"),
-    "kvstage-producer": ("kvstage", "kv_producer"),
-    "nixl-consumer": ("nixl", "kv_consumer"),
-    "kvstage-every-step": ("kvstage", "kv_consumer"),
-    "null-connector": ("null", "kv_both"),  # bench.null_connector: vLLM's machinery only
-    "null-lean": ("lean", "kv_both"),  # bench.lean_vllm: the same with vLLM's idle steps
-}
-#: the bench's own connectors: (class, module) the servers import from the repository
-BENCH_CONNECTORS = {"null": ("NullConnector", "bench.null_connector"),
-                    "lean": ("LeanNullConnector", "bench.lean_vllm")}
-#: kv_connector_extra_config a kind adds to ``--kv-extra``'s
-KIND_EXTRA: dict[str, dict[str, Any]] = {
-    "kvstage-every-step": {"kvstage_quiet_poll_ms": 0},  # vLLM's bookkeeping every step
-}
-ARRANGEMENTS: dict[str, tuple[str, ...]] = {
-    "four": ("plain", "kvstage-consumer", "kvstage-producer", "nixl-consumer"),
-    "three": ("plain", "kvstage-consumer", "kvstage-consumer"),
-    "pair-consumer": ("plain", "kvstage-consumer"),
-    "pair-producer": ("plain", "kvstage-producer"),
-    "control": ("plain", "plain"),  # A/A: the spread two identical servers show
-    "aab": ("plain", "plain", "kvstage-consumer"),  # A/A and A/B in one start
-    "null": ("plain", "null-connector", "kvstage-consumer"),  # vLLM's share, kvstage's
-    # vLLM's share with and without the upstream change prototyped in bench.lean_vllm
-    "lean": ("plain", "null-connector", "null-lean"),
-    "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
-    # the quiet-step cut itself: a consumer with it, one without (quiet.py)
-    "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
-}
 TICK = os.sysconf("SC_CLK_TCK")
 HOOK_SECONDS, HOOK_CALLS = "vllm:kvstage_hook_seconds_total", "vllm:kvstage_hook_calls_total"
 #: per side, the hook called once per engine step (its calls count the steps)
@@ -213,21 +171,6 @@ def thread_cpu(pgid: int) -> dict[str, float]:
         except (OSError, ValueError, IndexError):
             continue  # a process or thread that ended while being read
     return out
-
-
-def kv_config(kind: str, extra: dict[str, Any]) -> dict[str, Any] | None:
-    """The ``--kv-transfer-config`` of a server of ``kind`` (None: plain); ``extra`` (and
-    the kind's `KIND_EXTRA`) on kvstage servers only."""
-    spec = KINDS[kind]
-    if spec is None:
-        return None
-    if spec[0] in BENCH_CONNECTORS:
-        name, module = BENCH_CONNECTORS[spec[0]]
-        return {"kv_connector": name, "kv_role": spec[1], "kv_connector_module_path": module}
-    if spec[0] == "kvstage":
-        return connector_config("kvstage", spec[1], device="cpu", policy="fail",
-                                extra={**extra, **KIND_EXTRA.get(kind, {})})
-    return connector_config(spec[0], spec[1], device="cpu", policy="fail")
 
 
 def start_servers(kinds: tuple[str, ...], model: str, core: int, logs: Path,

@@ -92,6 +92,9 @@ def test_each_kind_gets_its_connector_config() -> None:
         "kv_connector_module_path": "bench.lean_vllm"}
     assert step_cost.kv_config("null-connector", {})["kv_connector_module_path"] == (  # type: ignore[index]
         "bench.null_connector")
+    lean = step_cost.kv_config("kvstage-lean", {"kvstage_log_reads": True})
+    assert lean == {**quiet, "kv_connector": "LeanKVStageConnector",
+                    "kv_connector_module_path": "bench.lean_vllm"}
 
 
 def test_the_table_shows_each_ratio_with_its_interval_and_the_trials_mean() -> None:
