@@ -1,19 +1,22 @@
-"""A prototype of an upstream vLLM change, measured here and not shipped: idle connector steps.
+"""A prototype of a vLLM change, measured here and not shipped: idle connector steps.
 
 With any KV connector, vLLM 0.32.0 runs its connector machinery in every engine step: the
 per-layer ``maybe_transfer_kv_layer`` wrapper around each attention call, and around the
 forward the model runner's ``_get_kv_connector_output`` (bind, ``start_load_kv``,
 ``wait_for_save``, ``get_transfer_results``, the load errors, the stats, the events, the
 worker meta, clear) whose ``KVConnectorOutput`` then travels to the scheduler. A connector
-that does nothing still costs 2.7-4.6 % of a plain server's ITL here (BENCHMARKS "Over ten
-starts"), more than kvstage's whole remaining share.
+that does nothing costs 2.8 % [1.6, 4.1] of a plain server's ITL on the tiny Llama over 40
+starts (BENCHMARKS "Idle connector steps"), more than kvstage's whole remaining share.
 
-The change proposed: before the forward, vLLM asks the connector whether the step is idle
+The change tried: before the forward, vLLM asks the connector whether the step is idle
 for it (``step_is_idle(metadata) -> bool``, with the step's metadata, before binding it;
 the base class answers False, so every connector keeps today's behaviour). For an idle
 step vLLM skips the per-layer wrapper's connector calls and the per-step hooks (bind
 included), and the step carries no ``KVConnectorOutput`` (None: what a server without a
-connector sends). The proposal and its figures: BENCHMARKS "Idle connector steps".
+connector sends). Measured over 10 starts each, it buys nothing that a run resolves: ITL
+0.993x [0.977, 1.008] for the null connector, 1.015x [0.984, 1.047] for kvstage (BENCHMARKS
+"Idle connector steps"). Those two pieces of machinery are not where a connector's cost
+is, so the change is not proposed upstream; this module keeps the experiment repeatable.
 
 `apply` makes that change in the running vLLM by replacing two module attributes (the
 wrapper's ``has_kv_transfer_group`` lookup and the mixin's ``_get_kv_connector_output``)
@@ -22,8 +25,8 @@ apply it when built (vLLM builds one in each process that runs one, the schedule
 the worker's; the servers find them as ``"kv_connector_module_path": "bench.lean_vllm"``):
 - `LeanNullConnector`: `bench.null_connector`'s connector with every step idle, what any
   connector would cost an instance with the change;
-- `LeanKVStageConnector`: kvstage's, whose ``KVStageConnector.step_is_idle`` answers (its
-  quiet steps, quiet.py).
+- `LeanKVStageConnector`: kvstage's, whose quiet steps (quiet.py) with no checksum digests
+  to hand over are the idle ones.
 `bench.step_cost --arrangements lean` serves the first beside a plain server and the
 unchanged null connector; ``lean-kvstage`` the second beside plain and unchanged kvstage.
 """
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,7 +47,8 @@ from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunne
 from bench.null_connector import NullConnector
 from kvstage.integrations.vllm.connector import KVStageConnector
 
-__all__ = ["LeanKVStageConnector", "LeanNullConnector", "apply", "applied"]
+__all__ = ["LeanKVStageConnector", "LeanNullConnector", "apply", "applied", "idle_worker_step",
+           "once_per_step"]
 
 logger = init_logger("vllm.bench.lean_vllm")  # under "vllm": its log handler prints it
 _ORIGINAL = KVConnectorModelRunnerMixin._get_kv_connector_output
@@ -98,10 +102,40 @@ class LeanNullConnector(NullConnector):
         return True
 
 
+def once_per_step(begin: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """``QuietSteps.begin`` deciding once per metadata object: ``step_is_idle`` asks it
+    first, then (on a step that is not idle) ``start_load_kv`` with the same metadata, and
+    the step gets one decision (vLLM hands each step a new metadata object)."""
+    last: list[Any] = [None, False]  # the metadata decided last, its answer
+
+    def decide(metadata: Any) -> bool:
+        if metadata is not last[0]:
+            last[0], last[1] = metadata, begin(metadata)
+        return bool(last[1])
+
+    return decide
+
+
+def idle_worker_step(worker: Any, metadata: Any) -> bool:
+    """kvstage's answer to ``step_is_idle``: a quiet step (quiet.py) with no checksum
+    digests waiting for the scheduler (``build_connector_worker_meta``)."""
+    return (not worker.kvstage_quiet.begin(metadata)
+            and not worker._kvstage_checksums._saved)
+
+
 class LeanKVStageConnector(KVStageConnector):
-    """`KVStageConnector` on a vLLM with the change: its own ``step_is_idle`` (its quiet
-    steps, quiet.py) answers."""
+    """`KVStageConnector` on a vLLM with the change: its worker's quiet steps are idle
+    ones. The connector's half lives here, not in the product, because the change did
+    not pay (BENCHMARKS "Idle connector steps")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         apply()
+        worker = self.connector_worker
+        if worker is not None:
+            quiet = worker.kvstage_quiet
+            quiet.begin = once_per_step(quiet.begin)  # type: ignore[method-assign,assignment]
+
+    def step_is_idle(self, metadata: Any) -> bool:
+        worker = self.connector_worker
+        return worker is not None and idle_worker_step(worker, metadata)

@@ -134,3 +134,24 @@ def test_other_steps_run_every_vllm_hook(
     assert calls == [*asked, "bind_connector_metadata", "start_load_kv", "wait_for_save"]
     assert wrapper_sees and output is not None and output.is_empty()
     assert connector._connector_metadata is None  # cleared after the step, as vLLM does
+
+
+def test_kvstage_decides_a_step_once_and_idles_only_when_quiet_without_digests() -> None:
+    from kvstage.integrations.vllm.quiet import QuietSteps
+
+    quiet = QuietSteps(10.0)
+    quiet.begin = lean_vllm.once_per_step(quiet.begin)  # type: ignore[method-assign]
+    worker = SimpleNamespace(kvstage_quiet=quiet, _kvstage_checksums=SimpleNamespace(_saved={}))
+
+    def meta(**fields: Any) -> SimpleNamespace:
+        return SimpleNamespace(**{"reqs_to_recv": {}, "reqs_to_send": {}, **fields})
+
+    assert not lean_vllm.idle_worker_step(worker, meta())  # the first step is full
+    step = meta()
+    assert lean_vllm.idle_worker_step(worker, step)
+    assert not quiet.begin(step) and quiet.quiet == 1  # start_load_kv's question: decided once
+    worker._kvstage_checksums._saved["p"] = {1: 2}  # digests for the scheduler: not idle
+    assert not lean_vllm.idle_worker_step(worker, meta())
+    worker._kvstage_checksums._saved.clear()
+    assert not lean_vllm.idle_worker_step(worker, meta(reqs_to_send={"p": 1.0}))  # work
+    assert quiet.sending == {"p"}

@@ -189,18 +189,3 @@ def test_builds_are_quiet_until_touched_or_waiting() -> None:
     assert b.full()  # the poll
     assert take(b) == 4
     assert QuietBuilds(0.0, clock).full() and QuietBuilds(0.0, clock).full()
-
-
-def test_a_step_is_decided_once_whoever_asks_first() -> None:
-    # vLLM's proposed idle-step question, then start_load_kv, with the step's one metadata
-    clock = Clock()
-    q = QuietSteps(0.125, clock)
-    assert q.begin(meta())  # the first step polls
-    clock.t += 1 / 64
-    step = meta()
-    assert [q.begin(step), q.begin(step)] == [False, False]
-    assert take(q) == 1  # one quiet step, not two
-    clock.t += 1.0  # the poll is due: the next new metadata decides again (a pause: waits)
-    assert [q.begin(meta()), q.begin(meta())] == [False, True]
-    work = meta(reqs_to_send={"p": 1.0})
-    assert q.begin(work) and q.begin(work) and q.sending == {"p"}

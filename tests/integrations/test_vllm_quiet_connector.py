@@ -72,25 +72,6 @@ def test_a_quiet_worker_step_never_reaches_vllms_bookkeeping(timed: bool) -> Non
     assert conn.get_kv_connector_stats() is None  # nothing new, under a second
 
 
-def test_step_is_idle_answers_for_quiet_worker_steps_without_digests() -> None:
-    clock = Clock()
-    conn = connector("worker", clock)
-    quiet = QuietSteps(10.0)
-    saved: dict[str, Any] = {}
-    conn.connector_worker = SimpleNamespace(  # type: ignore[assignment]
-        kvstage_quiet=quiet, _kvstage_checksums=SimpleNamespace(pending=lambda: bool(saved)))
-    assert not conn.step_is_idle(empty_meta())  # the first step is full
-    step = empty_meta()
-    assert conn.step_is_idle(step)
-    assert not quiet.begin(step)  # start_load_kv's question: the same step, decided once
-    assert quiet.quiet == 1
-    saved["p"] = {1: 2}  # digests to hand the scheduler: the step's hooks must run
-    assert not conn.step_is_idle(empty_meta())
-    saved.clear()
-    assert not conn.step_is_idle(SimpleNamespace(reqs_to_recv={}, reqs_to_send={"p": 1.0}))
-    assert not connector("scheduler", clock).step_is_idle(empty_meta())  # vLLM asks workers
-
-
 def test_the_scheduler_sides_stats_carry_its_quiet_builds() -> None:
     clock = Clock()
     conn = connector("scheduler", clock)

@@ -137,10 +137,6 @@ class WorkerChecksums:
                 saved.update(zip(ids, self._digests(group, ids), strict=True))
             self._saved[req_id] = saved
 
-    def pending(self) -> bool:
-        """Whether digests wait for `worker_meta` to hand them to the scheduler."""
-        return bool(self._saved)
-
     def worker_meta(self) -> ChecksumMeta | None:
         if not self._saved:
             return None

@@ -223,15 +223,6 @@ class KVStageConnector(NixlConnector):
             worker.kvstage_copies.data[key].extend(entries)
         return with_copies(nixl, worker.kvstage_copies)
 
-    def step_is_idle(self, metadata: Any) -> bool:
-        """Whether the worker's step with ``metadata`` needs none of the connector's hooks:
-        a quiet step (quiet.py) with no checksum digests to hand over. The connector's half
-        of an idle-step API proposed to vLLM, which vLLM 0.32.0 never calls (its half is
-        prototyped in `bench.lean_vllm`; BENCHMARKS.md "Idle connector steps")."""
-        worker = self.connector_worker
-        return (worker is not None and not worker.kvstage_quiet.begin(metadata)
-                and not worker._kvstage_checksums.pending())
-
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self.connector_worker
         if worker is not None and not worker.kvstage_quiet.step_is_full():

@@ -131,16 +131,10 @@ class QuietSteps(_Poll):
         self.sending: set[str] = set()  # requests vLLM will report sent (or expired)
         self._full = True  # this step runs vLLM's bookkeeping
         self._stats_due = True  # a full step since vLLM last asked for stats
-        self._metadata: Any = None  # the metadata the current step was decided on
 
     def begin(self, metadata: Any) -> bool:
         """A step starts with ``metadata``: True when it is a full one (run vLLM's
-        ``start_load_kv``, then its ``get_transfer_results``), False when quiet. Decided
-        once a step: asked again with the same metadata object (``step_is_idle``, then
-        ``start_load_kv``) it answers the same, as vLLM hands each step a new one."""
-        if metadata is self._metadata:
-            return self._full
-        self._metadata = metadata
+        ``start_load_kv``, then its ``get_transfer_results``), False when quiet."""
         work = carries_work(metadata)
         if work:
             self._track(metadata)
