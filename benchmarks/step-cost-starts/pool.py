@@ -1,6 +1,6 @@
 """Per-start ratios of the `bench.step_cost` runs in this folder, pooled over the starts
 (`bench.ab_stats.across_starts`: geometric mean and 95 % Student-t interval). One-off for
-BENCHMARKS "Over ten starts"; run from the checkout's root:
+BENCHMARKS "Over ten starts" and "Idle connector steps"; run from the checkout's root:
 
     PYTHONPATH=. .venv/bin/python benchmarks/step-cost-starts/pool.py
 """
@@ -48,6 +48,31 @@ def main() -> None:
          {(k, s): [x(t, kv, k, s) for t in both] for k, s in SHOWN})
     show("kvstage / the A/A's second plain (aab):",
          {(k, s): [x(t, kv, k, s) / x(t, aa, k, s) for t in runs["aab"]] for k, s in SHOWN})
+    lean_runs(runs)
+
+
+def lean_runs(runs: dict[str, list[list[dict[str, Any]]]]) -> None:
+    """BENCHMARKS "Idle connector steps": the runs of `bench.lean_vllm`'s change."""
+    null, lean, kv, kv_lean = "1-null-connector", "2-null-lean", "1-kvstage-consumer", \
+        "2-kvstage-lean"
+    if not (HERE / "lean.json").exists():
+        return
+    runs["lean"] = starts("lean", "lean")
+    show("null connector with idle steps / without, per start (lean, 10 starts):",
+         {(k, s): [x(t, lean, k, s) / x(t, null, k, s) for t in runs["lean"]]
+          for k, s in SHOWN})
+    every_null = [t for name, r in runs.items() if name.startswith(("null", "lean")) for t in r]
+    show(f"null connector / plain (every run with one, {len(every_null)} starts):",
+         {(k, s): [x(t, null, k, s) for t in every_null] for k, s in SHOWN})
+    if (HERE / "lean-kvstage.json").exists():
+        both = starts("lean-kvstage", "lean-kvstage")
+        show("kvstage with idle steps / without, per start (lean-kvstage, 10 starts):",
+             {(k, s): [x(t, kv_lean, k, s) / x(t, kv, k, s) for t in both] for k, s in SHOWN})
+        # kvstage as it runs by default since the pause cut (61e8bb5): null-pause's and
+        # lean-kvstage's unchanged consumer
+        show("kvstage / plain since the pause cut (null-pause and lean-kvstage, 20 starts):",
+             {(k, s): [x(t, "2-kvstage-consumer", k, s) for t in runs["null-pause"]]
+              + [x(t, kv, k, s) for t in both] for k, s in SHOWN})
 
 
 if __name__ == "__main__":
