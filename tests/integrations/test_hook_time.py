@@ -73,25 +73,6 @@ def test_due_once_per_interval_and_take_hands_out_totals_and_resets() -> None:
     assert clock.due()
 
 
-def test_a_tick_due_on_the_first_step_after_a_pause_waits_one_step() -> None:
-    now = [0]
-    clock = HookClock("worker", clock=lambda: now[0], gap_s=0.1)
-    for step in range(1, 21):  # 1/16 s apart, under the gap: no pause, due at 1 s
-        now[0] = step * 62_500_000
-        assert clock.due() == (step == 16), step
-    now[0] += 1_500_000_000  # a pause of 1.5 s: the next request's first step
-    assert not clock.due()
-    now[0] += 10_000_000  # its second step takes the tick
-    assert clock.due()
-    now[0] += 1_500_000_000  # a step after each pause (one-step requests): every other one
-    assert not clock.due()
-    now[0] += 1_500_000_000
-    assert clock.due()
-    untimed = HookClock("worker", clock=lambda: now[0])  # gap 0 (poll 0): never waits
-    now[0] += 1_500_000_000
-    assert untimed.due()
-
-
 def test_timed_hooks_record_wall_ns_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hook_time.time, "perf_counter_ns", Ticks(250))
     t = Connector()

@@ -175,7 +175,7 @@ class KVStageConnector(NixlConnector):
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times
         # (vllm:kvstage_hook_seconds_total: the connector's own cost per step)
-        self.kvstage_clock = HookClock(side, gap_s=self.kvstage_config.quiet_poll_ms / 1000)
+        self.kvstage_clock = HookClock(side)
         if self.kvstage_config.time_hooks:
             time_hooks(self, self.kvstage_clock)
         if role == KVConnectorRole.SCHEDULER:

@@ -19,10 +19,7 @@ called directly: nothing is wrapped, nothing is paid.
 `HookClock` is also the connector's once-a-second tick: ``due()`` is True at most once per
 ``flush_s`` (default 1 s), and ``take()`` then hands out the hook totals as
 ``[name, seconds, calls]`` entries (name ``scheduler.<hook>`` or ``worker.<hook>``), so the
-connector's stats are empty on most steps and vLLM ships nothing extra per step. On the
-first step after a pause (no step for ``gap_s``, the connector's ``kvstage_quiet_poll_ms``)
-a due tick waits one step, once (`quiet.Pauses`): that step computes a new request's first
-token, and the tick's shipment is work on its way (BENCHMARKS "Idle connector steps"). The stats
+connector's stats are empty on most steps and vLLM ships nothing extra per step. The stats
 carry them to ``/metrics`` as ``vllm:kvstage_hook_seconds_total{hook=...}`` and
 ``vllm:kvstage_hook_calls_total{hook=...}`` (`stats`): per hook, seconds over calls is its
 cost per call, and the calls of ``scheduler.build_connector_meta`` /
@@ -37,8 +34,6 @@ import functools
 import time
 from collections.abc import Callable
 from typing import Any
-
-from kvstage.integrations.vllm.quiet import Pauses
 
 __all__ = ["HOOK_KEY", "SCHEDULER_HOOKS", "WORKER_HOOKS", "HookClock", "time_hooks"]
 
@@ -65,25 +60,22 @@ class HookClock:
     and that side's once-per-``flush_s`` tick."""
 
     def __init__(self, side: str, flush_s: float = FLUSH_S,
-                 clock: Callable[[], int] = time.perf_counter_ns, gap_s: float = 0.0) -> None:
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
         self.side = side
         self.flush_ns = int(flush_s * 1e9)
         self.clock = clock
         self.ns: dict[str, int] = {}
         self.calls: dict[str, int] = {}
         self._flushed = clock()
-        self._pauses = Pauses(gap_s)
 
     def add(self, hook: str, ns: int) -> None:
         self.ns[hook] = self.ns.get(hook, 0) + ns
         self.calls[hook] = self.calls.get(hook, 0) + 1
 
     def due(self) -> bool:
-        """True at most once per ``flush_s``: the time to hand out what was counted. Asked
-        once a step; a tick due on the first step after a pause of ``gap_s`` waits a step."""
+        """True at most once per ``flush_s``: the time to hand out what was counted."""
         now = self.clock()
-        due = now - self._flushed >= self.flush_ns
-        if self._pauses.defer(now / 1e9, due) or not due:
+        if now - self._flushed < self.flush_ns:
             return False
         self._flushed = now
         return True
