@@ -5,7 +5,7 @@ per-layer ``maybe_transfer_kv_layer`` wrapper around each attention call, and ar
 forward the model runner's ``_get_kv_connector_output`` (bind, ``start_load_kv``,
 ``wait_for_save``, ``get_transfer_results``, the load errors, the stats, the events, the
 worker meta, clear) whose ``KVConnectorOutput`` then travels to the scheduler. A connector
-that does nothing costs 2.8 % [1.6, 4.1] of a plain server's ITL on the tiny Llama over 40
+that does nothing costs 2.7 % [1.7, 3.8] of a plain server's ITL on the tiny Llama over 50
 starts (BENCHMARKS "Idle connector steps"), more than kvstage's whole remaining share.
 
 The change tried: before the forward, vLLM asks the connector whether the step is idle
