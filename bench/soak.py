@@ -32,7 +32,8 @@ its injected fault (completed ones verified byte-exact with ``verify_request``),
 decode pool is back to ``num_blocks - 1`` free, every prefill freed each request
 exactly once (prefilled == completed + released + expired, nothing held), no transfer
 handle is open or draining, and RSS grew less than ``--max-rss-growth-mib`` between
-10 % and 100 % of the run.
+10 % and 100 % of the run (each read after a garbage collection and glibc's
+``malloc_trim``: `workloads.settled_rss_bytes`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from bench.workloads import (
     max_tokens,
     random_choice,
     rss_bytes,
+    settled_rss_bytes,
 )
 from kvstage.bench.report import machine_info, write_json
 from kvstage.blocks import request_blocks
@@ -323,7 +325,7 @@ class Soak:
             time.sleep(0.05)
 
     def _sample(self, mark: str) -> None:
-        self.rss[mark] = rss_bytes()
+        self.rss[mark] = settled_rss_bytes()  # held, not freed pages kept by malloc
         for p in self.pairs:
             if isinstance(p.server, PrefillProcess):
                 self.child_rss.setdefault(p.name, {})[mark] = rss_bytes(p.server.pid)
