@@ -14,7 +14,7 @@ import random
 
 import pytest
 
-from kvstage.integrations.vllm.prompt_saves import BlockIds, PromptSaves
+from kvstage.pd.prompt_saves import BlockIds, PromptSaves
 
 SW = 3  # blocks of the sliding group the transfer keeps
 

@@ -102,8 +102,10 @@ class DecodeWorker:
         verify_checksum: bool = False,
         pipeline: bool = False,
         prepared_reads: bool = False,
+        any_pool_size: bool = False,
     ) -> None:
         try:
+            self.any_pool_size = bool(any_pool_size)  # `kvstage.pd.handshake`
             self.pipeline = bool(pipeline)  # chunked READ, h2d overlapped (`pd.pipeline`)
             # per-block digests from prefill checked before h2d (`kvstage.pd.integrity`)
             self.verify_checksum = bool(verify_checksum)
@@ -144,7 +146,8 @@ class DecodeWorker:
             return self._remotes[key]
         remote = handshake(self.client(host, port), host, port, engine_id=self.engine_id,
                            layout=self.layout, host_layout=self.host.host_layout,
-                           read_timeout_s=self.read_timeout_s, transport=self.transport)
+                           read_timeout_s=self.read_timeout_s, transport=self.transport,
+                           any_pool_size=self.any_pool_size)
         self._remotes[key] = remote
         return remote
 
@@ -195,7 +198,7 @@ class DecodeWorker:
                     f"unexpected answer to Acquire: {type(lease).__name__}"
                 )
             if self.verify_checksum and not lease.checksums:
-                self._release_remote(remote_addr, remote_rid, capability)
+                self.release_remote(remote_addr, remote_rid, capability)
                 return self._fail(result, "prefill sent no checksums: start it with "
                                   "verify_checksum (--verify-checksum) too",
                                   code=CHECKSUM_MISSING)
@@ -255,7 +258,7 @@ class DecodeWorker:
                 self._forget((p.remote.host, p.remote.port), p.remote)
             ended.append(self._fail(p.result, why, code=code, job=p.job))
             if state == "checksum" and not p.job.single:  # no chunk carried the notification
-                self._release_remote((p.remote.host, p.remote.port), p.remote_request_id,
+                self.release_remote((p.remote.host, p.remote.port), p.remote_request_id,
                                      p.capability)
         return ended
 
@@ -296,11 +299,11 @@ class DecodeWorker:
             raise InvalidRequest(f"request {request_id!r} is not pending (unknown or ended)")
         result = self._fail(p.result, reason, code=ABORTED, job=p.job)
         result.status = "aborted"
-        self._release_remote((p.remote.host, p.remote.port), p.remote_request_id,
+        self.release_remote((p.remote.host, p.remote.port), p.remote_request_id,
                              p.capability)
         return result
 
-    def _release_remote(self, addr: tuple[str, int], rid: str, capability: bytes) -> None:
+    def release_remote(self, addr: tuple[str, int], rid: str, capability: bytes) -> None:
         """Best effort: let prefill free now instead of at lease expiry."""
         with contextlib.suppress(Exception):
             self.client(*addr).call(m.Release(request_id=rid, capability=capability),

@@ -9,6 +9,8 @@ cannot load) with the error kind callers act on, and loads the peer into the tra
 
 from __future__ import annotations
 
+import dataclasses
+
 from kvstage.cache import HostLayout
 from kvstage.errors import InvalidRequest, KVStageError, LayoutMismatch, ProtocolMismatch
 from kvstage.layout import KVLayout
@@ -22,16 +24,22 @@ __all__ = ["handshake"]
 
 def handshake(client: SideChannelClient, host: str, port: int, *, engine_id: str,
               layout: KVLayout, host_layout: HostLayout, read_timeout_s: float,
-              transport: Transport) -> Remote:
-    """Fetch and check the prefill at ``host:port``'s metadata; add it as a peer."""
+              transport: Transport, any_pool_size: bool = False) -> Remote:
+    """Fetch and check the prefill at ``host:port``'s metadata; add it as a peer.
+    ``any_pool_size``: a block-major prefill may hold another number of blocks (an engine
+    sizes its pool from its memory; a row is one block either way): the READ's remote ids
+    are then checked against the prefill's own count (`reads.Poster.remote_descs`)."""
     meta = client.call(m.GetMeta(engine_id=engine_id))
     if not isinstance(meta, m.Meta):
         raise ProtocolMismatch(
             f"{host}:{port} answered GetMeta with {type(meta).__name__}"
         )
     remote_layout = m.layout_from_msg(meta.layout)
+    checked = remote_layout
+    if any_pool_size and host_layout is HostLayout.BLOCK_MAJOR:
+        checked = dataclasses.replace(remote_layout, num_blocks=layout.num_blocks)
     try:
-        layout.check_compatible(remote_layout)
+        layout.check_compatible(checked)
     except ValueError as exc:
         raise LayoutMismatch(str(exc)) from None
     if meta.host_layout != host_layout.value:

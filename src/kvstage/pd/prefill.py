@@ -132,6 +132,10 @@ class PrefillWorker:
             for r in self._requests.values() if r.held
         )
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` has saved (or held) blocks here."""
+        return request_id in self._requests
+
     @property
     def num_held(self) -> int:
         return sum(1 for r in self._requests.values() if r.held)
@@ -184,8 +188,12 @@ class PrefillWorker:
         self._hash(req, sorted(req.unhashed))
         req.unhashed.clear()
 
-    def hold(self, request_id: str, lease_s: float | None = None) -> m.PrefillDone:
-        """Every block is saved: hold them under a lease for decode to READ."""
+    def hold(self, request_id: str, lease_s: float | None = None, *,
+             capability: bytes | None = None) -> m.PrefillDone:
+        """Every block is saved: hold them under a lease for decode to READ.
+        ``capability``: the request's token when the engine derives it (`auth.
+        derived_capability`: vLLM's scheduler hands it out, every TP rank checks the same
+        one); by default a new random one."""
         req = self._requests.get(request_id)
         if req is None:
             raise NotHeld(f"request {request_id!r} has no saved blocks here; save() first")
@@ -193,7 +201,10 @@ class PrefillWorker:
             raise InvalidRequest(f"request {request_id!r} is already held")
         self._settle(request_id, req)  # decode may READ only bytes that have landed
         now = time.monotonic()
-        req.capability = auth.new_capability()
+        if capability is not None and len(capability) != auth.TOKEN_BYTES:
+            raise InvalidRequest(
+                f"capability must be {auth.TOKEN_BYTES} bytes, got {len(capability)}")
+        req.capability = auth.new_capability() if capability is None else capability
         req.hold_until = now + self.max_hold_s
         req.deadline = lease.deadline(now, lease_s or self.lease_s, req.hold_until)
         req.held = True  # last: a held request always has its deadline and capability
@@ -369,6 +380,11 @@ class PrefillWorker:
             self.server.reply(envelope, reply)
         self.process_notifications()
         self.expire_leases()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s`` until a side-channel message waits (True), touching no
+        state: an engine that serves from another thread waits here without its lock."""
+        return self.server.readable(timeout_s)
 
     def serve_forever(self, *, poll_s: float = 0.005) -> None:
         """Serve until `stop` is called (from a signal handler or another thread)."""

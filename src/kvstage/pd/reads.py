@@ -136,14 +136,21 @@ class Poster:
         self._local: int | None = None
         self._remote: dict[tuple[str, int], int] = {}  # (peer, base) -> prepared list
 
-    def _rows(self, base: int) -> np.ndarray:
-        every = np.arange(self.host.layout.num_blocks, dtype=np.int64)
+    def _rows(self, base: int, num_blocks: int) -> np.ndarray:
+        every = np.arange(num_blocks, dtype=np.int64)
         rows = self.host.descriptors(every, np.ones_like(every))
         rows[:, 0] += base - self.host.data_ptr
         return rows
 
     def remote_descs(self, remote: Remote, runs: np.ndarray) -> np.ndarray:
-        # the remote buffer has our layout (checked at handshake): shift addresses only
+        # the remote buffer has our layout (checked at handshake): shift addresses only;
+        # a block-major remote may hold another number of blocks (handshake.any_pool_size)
+        end = runs[:, 0] + runs[:, 2]
+        if end.size and int(end.max()) > remote.layout.num_blocks:
+            raise InvalidRequest(
+                f"remote block id {int(end.max()) - 1} is beyond the prefill's pool of "
+                f"{remote.layout.num_blocks} blocks"
+            )
         descs = self.host.descriptors(runs[:, 0], runs[:, 2])
         descs[:, 0] += remote.base - self.host.data_ptr
         return descs
@@ -153,9 +160,10 @@ class Poster:
         if self.prepared and key not in self._remote:
             try:
                 if self._local is None:
-                    self._local = self.transport.prepare(None, self._rows(self.host.data_ptr))
-                self._remote[key] = self.transport.prepare(remote.peer,
-                                                           self._rows(remote.base))
+                    mine = self._rows(self.host.data_ptr, self.host.layout.num_blocks)
+                    self._local = self.transport.prepare(None, mine)
+                theirs = self._rows(remote.base, remote.layout.num_blocks)
+                self._remote[key] = self.transport.prepare(remote.peer, theirs)
             except Exception:  # the READ itself reports what is wrong (e.g. NOT_FOUND)
                 pass
         if self._local is None or key not in self._remote:

@@ -193,6 +193,10 @@ class SideChannelServer:
         frames = self._sock.recv_multipart()
         return frames[:-1], frames[-1]
 
+    def readable(self, timeout_s: float) -> bool:
+        """True once a request waits (up to ``timeout_s``); nothing is received."""
+        return bool(self._sock.poll(int(timeout_s * 1000), zmq.POLLIN))
+
     def reply(self, route: Route, msg: Message) -> None:
         wire, _ = self._auth.seal(msg, reply_to=route.nonce)
         self.send_frames(route.frames, [wire])

@@ -104,7 +104,8 @@ class KVStageConfig:
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, *, kv_buffer_device: str = "cpu",
-              permute_local_kv: bool = False, world_size: int = 1) -> KVStageConfig:
+              permute_local_kv: bool = False, world_size: int = 1,
+              checksum_any_tp: bool = False) -> KVStageConfig:
         extra = dict(extra or {})
         bad: list[str] = []
 
@@ -170,7 +171,7 @@ class KVStageConfig:
         if permute_local_kv:
             bad.append("enable_permute_local_kv=True: expected false (KVStageConnector keeps "
                        "the host layout equal to the device layout; no heterogeneous TP permute)")
-        if out.get("verify_checksum") and world_size != 1:
+        if out.get("verify_checksum") and world_size != 1 and not checksum_any_tp:
             bad.append(f"kv_connector_extra_config kvstage_verify_checksum=True: expected one "
                        f"worker per instance (TP = PP = 1), this instance has {world_size}")
         if bad:
@@ -178,12 +179,14 @@ class KVStageConfig:
         return cls(**out)
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any) -> KVStageConfig:
-        """From vLLM's ``VllmConfig`` (its ``kv_transfer_config`` and parallel sizes)."""
+    def from_vllm(cls, vllm_config: Any, *, checksum_any_tp: bool = False) -> KVStageConfig:
+        """From vLLM's ``VllmConfig`` (its ``kv_transfer_config`` and parallel sizes);
+        ``checksum_any_tp``: the pd/-based connector digests per rank, at any TP."""
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         return cls.parse(
             kv.kv_connector_extra_config, kv_buffer_device=kv.kv_buffer_device,
             permute_local_kv=bool(getattr(kv, "enable_permute_local_kv", False)),
             world_size=int(vllm_config.parallel_config.world_size),
+            checksum_any_tp=checksum_any_tp,
         )

@@ -62,7 +62,7 @@ def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
     return t.stride(0) * t.element_size() * (t.shape[0] // num_blocks)
 
 
-def _rows(name: str, t: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+def page_rows(name: str, t: torch.Tensor, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
     """``[num_blocks, page]`` rows of ``dtype`` over the bytes of layer ``t``'s LOGICAL
     blocks: vLLM hands attention layers as kernel blocks (``num_blocks x r`` rows of
     ``page / r``) and state layers as ``[num_blocks, 1, 1, state bytes]`` int8 views whose
@@ -205,8 +205,8 @@ class EngineCopyOp:
         if num_blocks is None:
             num_blocks = int(device_caches[names[0]].shape[0])
         dtype = DTYPES[storage_dtype(spec for _, spec in groups)]
-        device = {n: _rows(n, device_caches[n], num_blocks, dtype) for n in names}
-        host = {n: _rows(n, host_caches[n], num_blocks, dtype) for n in names}
+        device = {n: page_rows(n, device_caches[n], num_blocks, dtype) for n in names}
+        host = {n: page_rows(n, host_caches[n], num_blocks, dtype) for n in names}
         for n in names:
             d, h = device_caches[n], host_caches[n]
             if (d.shape, d.stride(), d.dtype) != (h.shape, h.stride(), h.dtype):

@@ -28,9 +28,9 @@ from vllm.logger import init_logger
 from kvstage.integrations.vllm import checksums, lease, request_params, secure, secure_handshake
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import saved_by_chunk
-from kvstage.integrations.vllm.prompt_saves import PromptSaves
 from kvstage.integrations.vllm.quiet import QuietBuilds
 from kvstage.integrations.vllm.request_params import RequestParams
+from kvstage.pd.prompt_saves import PromptSaves
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -1,0 +1,219 @@
+"""`KVStageConnector` on vLLM's public connector API, with kvstage's pd/ roles as its engine.
+
+Contract
+--------
+Loaded by vLLM on both instances of a P/D pair::
+
+    --kv-transfer-config '{"kv_connector": "KVStageConnector",
+        "kv_connector_module_path": "kvstage.integrations.vllm.native",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_buffer_device": "cpu"}'
+
+It derives from ``KVConnectorBase_V1`` and ``SupportsHMA`` only: no vLLM connector is
+subclassed, no vLLM function is copied or replaced at run time. The scheduler side
+(`scheduler.SchedulerSide`) speaks vLLM's P/D proxy protocol (``kv_transfer_params``:
+``do_remote_decode`` on the prefill, ``remote_block_ids``, ``remote_host`` and
+``remote_port`` on the decode), so vllm-router, vLLM's proxy and ``vllm bench serve`` work
+unchanged. The worker side (`worker.WorkerSide`) runs one rank's pd/ roles: each rank its
+own NIXL agent, host buffer and side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT`` + DP rank x
+TP + TP rank, on ``VLLM_NIXL_SIDE_CHANNEL_HOST``); decode rank r reads prefill rank r
+(equal TP sizes; another size fails the load, saying so).
+
+Settings: `kvstage.integrations.vllm.config.KVStageConfig` (``kv_connector_extra_config``);
+the ones this connector reads: ``kvstage_key_file`` (or ``KVSTAGE_KEY``),
+``kvstage_allow_unauthenticated``, ``kvstage_verify_checksum`` (per rank, any TP),
+``kvstage_progress_delay_us``, ``kvstage_save_by_chunk``, ``kv_lease_duration``.
+
+Refused at start, one line each: a layer kind kvstage cannot copy, a Mamba model without
+``VLLM_SSM_CONV_STATE_LAYOUT=DS``, pipeline parallelism, a group vLLM keeps out of
+transfers, a non-loopback side channel without a key (unless opted in), sleep mode.
+
+Threads: vLLM's threads call the hooks; the prefill role's one serving thread
+(`worker._Serving`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm import envs
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.logger import init_logger
+
+from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.native.metadata import StepMeta
+from kvstage.integrations.vllm.native.scheduler import SchedulerSide
+from kvstage.integrations.vllm.native.worker import WorkerSide
+from kvstage.integrations.vllm.secure import Security
+from kvstage.integrations.vllm.state import refuse_unservable
+from kvstage.pd.integrity import check_available
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = init_logger(f"vllm.{__name__}")
+
+SLEEP_MODE_REFUSAL = (
+    "KVStageConnector does not support vLLM's sleep mode (--enable-sleep-mode): releasing "
+    "and restoring kvstage's host buffers and their NIXL registration across a sleep is not "
+    "implemented. Start the instance without --enable-sleep-mode"
+)
+
+
+def _refuse_setup(vllm_config: Any, kv_cache_config: Any) -> None:
+    refuse_unservable(vllm_config, kv_cache_config)
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp != 1:
+        raise ValueError(f"KVStageConnector: pipeline_parallel_size={pp}: expected 1 "
+                         "(tensor parallelism is supported, pipeline parallelism is not)")
+    groups = kv_cache_config.kv_cache_groups
+    kept = [g for g in groups if getattr(g, "enable_kv_transfer", True)]
+    if len(kept) != len(groups):
+        raise ValueError(f"KVStageConnector: vLLM keeps {len(groups) - len(kept)} of "
+                         f"{len(groups)} KV cache groups out of transfers; kvstage moves "
+                         "every group: serve this model with vLLM's own connector")
+
+
+class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector interface onto kvstage's pd/ roles (module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.kvstage_config = config = KVStageConfig.from_vllm(vllm_config,
+                                                               checksum_any_tp=True)
+        _refuse_setup(vllm_config, kv_cache_config)
+        if config.verify_checksum:
+            check_available()  # the install hint now, not at the first request
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None and kv.engine_id is not None
+        host = envs.VLLM_NIXL_SIDE_CHANNEL_HOST
+        security = Security.from_config(config, side_channel_host=host)
+        parallel = vllm_config.parallel_config
+        tp = int(parallel.tensor_parallel_size)
+        base_port = int(envs.VLLM_NIXL_SIDE_CHANNEL_PORT) + int(parallel.data_parallel_rank) * tp
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler_side = SchedulerSide(
+                vllm_config, kv_cache_config, engine_id=kv.engine_id, key=security.key,
+                host=host, port=base_port, save_by_chunk=config.save_by_chunk)
+        elif role == KVConnectorRole.WORKER:
+            rank = get_tensor_model_parallel_rank()
+            self.worker_side = WorkerSide(
+                engine_id=kv.engine_id, rank=rank,
+                tp_size=get_tensor_model_parallel_world_size(),
+                producer=bool(kv.is_kv_producer), consumer=bool(kv.is_kv_consumer),
+                key=security.key, host=host, port=base_port + rank,
+                allow_unauthenticated=config.allow_unauthenticated,
+                verify_checksum=config.verify_checksum, lease_s=config.lease_duration_s,
+                progress_delay_us=config.progress_delay_us, logger=logger)
+        else:
+            raise ValueError(f"unsupported KV connector role: {role!r}")
+
+    # -- worker side -------------------------------------------------------------------------
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker hook called on the scheduler side"
+        return self.worker_side
+
+    def _meta(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, StepMeta), type(meta)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self._kv_cache_config
+        groups = [(list(g.layer_names), g.kv_cache_spec) for g in config.kv_cache_groups]
+        model = str(self._vllm_config.model_config.model)
+        cache = self._worker().register(kv_caches, groups, int(config.num_blocks), model)
+        logger.info("kvstage: rank %d: %d layer names over %d physical tensors, host buffer "
+                    "%d bytes (block-major), side channel %s:%d", self._worker().rank,
+                    len(kv_caches), cache.layout.num_tensors, cache.layout.pool_bytes,
+                    self._worker().host, self._worker().port)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker().load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # the READ and its h2d complete before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved per step, after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker().save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker().results(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler hook called on a worker"
+        return self.scheduler_side
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMeta:
+        return self._scheduler().build(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    # -- sleep mode: refused -----------------------------------------------------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        logger.error(SLEEP_MODE_REFUSAL)
+        return False
+
+    def unregister_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
+
+    def restore_kv_caches(self) -> None:
+        raise RuntimeError(SLEEP_MODE_REFUSAL)
+
+
+__all__ = ["KVStageConnector"]

@@ -1,0 +1,229 @@
+"""The worker side of `KVStageConnector`: one rank's pd/ roles over vLLM's KV tensors.
+
+Contract
+--------
+`WorkerSide` runs in each vLLM worker process (one per tensor-parallel rank) and owns that
+rank's pd/ role(s): a `kvstage.pd.prefill.PrefillWorker` (kv_producer, kv_both) and/or a
+`kvstage.pd.decode.DecodeWorker` (kv_consumer, kv_both), each with its own NIXL agent and
+its own block-major host buffer of this rank's shard (host bytes = the rank's device pool).
+
+- ``register(kv_caches)``: vLLM's ``{layer: tensor}`` as pages of LOGICAL block ids (every
+  group's ids index one space: `copies.page_rows`), `KVCache.wrap_layers` over them, then
+  the roles. The prefill's side channel listens on ``port`` (the instance's base port plus
+  this rank): decode rank r reads prefill rank r, one handshake per rank pair, sealed with
+  the key when there is one.
+- ``save(meta)`` (vLLM's ``wait_for_save``, after the forward): the step's d2h of each
+  request's completed blocks (queued on the copy stream on CUDA, copied in the step on
+  CPU), then the holds (every save of the request waited for, its lease started with the
+  capability the scheduler hands out) and the releases.
+- ``load(meta)`` (vLLM's ``start_load_kv``): one READ per request into the local ids vLLM
+  allocated, h2d pipelined behind it (`kvstage.pd.pipeline`); ``forgets`` release the
+  remote blocks a request will not read.
+- ``results(finished)`` (vLLM's ``get_transfer_results``): READs that ended (a failed one is
+  in ``failed_recving`` too: vLLM's ``kv_load_failure_policy`` applies) and requests every
+  prefill role let go (the decode's notification, a Release or the lease), each reported
+  once vLLM has said the request finished.
+
+Threads: vLLM's worker thread calls every method; the prefill role's side channel, its
+NIXL notifications and its leases are served by one daemon thread (`_Serving`), every call
+into the role under one lock (pd/'s roles are single-threaded). The thread waits on the
+side channel's socket (100 ms idle, 2 ms while requests are held), so an idle instance
+costs a few wake-ups a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from kvstage.cache import KVCache, layout_from_layers
+from kvstage.errors import KVStageError
+from kvstage.integrations.vllm.copies import kvstage_groups, page_rows
+from kvstage.integrations.vllm.native.metadata import Load, Remote, StepMeta
+from kvstage.layout import DTYPES, storage_dtype
+from kvstage.pd.decode import DecodeWorker
+from kvstage.pd.prefill import PrefillWorker
+
+IDLE_WAIT_S = 0.1  # the serving thread's wait with nothing held
+HELD_WAIT_S = 0.002  # ... while requests are held (NIXL notifications are polled)
+READ_TIMEOUT_CAP_S = 10.0
+
+
+class _Serving(threading.Thread):
+    """Serves a prefill role's side channel, notifications and leases (module doc)."""
+
+    def __init__(self, role: PrefillWorker, lock: threading.Lock) -> None:
+        super().__init__(name="kvstage-prefill-serve", daemon=True)
+        self.role, self.lock = role, lock
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            self.role.wait(HELD_WAIT_S if self.role.num_held else IDLE_WAIT_S)
+            with self.lock:
+                if self.stopping.is_set():
+                    return
+                self.role.serve_once(0.0)
+
+
+class WorkerSide:
+    """One rank's roles (module doc)."""
+
+    def __init__(self, *, engine_id: str, rank: int, tp_size: int, producer: bool,
+                 consumer: bool, key: bytes | None, host: str, port: int,
+                 allow_unauthenticated: bool, verify_checksum: bool, lease_s: float,
+                 progress_delay_us: int, logger: logging.Logger | Any) -> None:
+        self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+        self.producer, self.consumer = producer, consumer
+        self.key, self.host, self.port = key, host, port
+        self.allow_unauthenticated = allow_unauthenticated
+        self.verify_checksum, self.lease_s = verify_checksum, lease_s
+        self.progress_delay_us = progress_delay_us
+        self.log = logger
+        self.lock = threading.Lock()
+        self.prefill: PrefillWorker | None = None
+        self.decode: DecodeWorker | None = None
+        self.serving: _Serving | None = None
+        self.held: set[str] = set()  # prefill: held here, not yet reported freed
+        self.freed: set[str] = set()  # prefill: let go, to report once vLLM finished them
+        self.finished: set[str] = set()  # prefill: held requests vLLM said finished
+        self.released: set[str] = set()  # prefill: released on vLLM's word (not reported)
+        self.recv_done: set[str] = set()  # decode: READs over (or refused)
+        self.recv_failed: set[str] = set()
+
+    # -- start ---------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor], groups: list[tuple[list[str], Any]],
+                 num_blocks: int, model: str) -> KVCache:
+        kv_groups = kvstage_groups(groups, kv_caches, num_blocks, model)
+        dtype = DTYPES[storage_dtype(spec for _, spec in kv_groups)]
+        names = [n for g, _ in kv_groups for n in g]
+        rows = {n: page_rows(n, kv_caches[n], num_blocks, dtype) for n in names}
+        layout = layout_from_layers(rows, kv_groups)
+        cache = KVCache.wrap_layers(layout, rows)
+        from kvstage.transport.nixl import NixlTransport  # lazily: NIXL is optional
+
+        if self.producer:
+            transport = NixlTransport(f"kvstage-p-{self.engine_id}-{self.rank}",
+                                      progress_delay_us=self.progress_delay_us)
+            self.prefill = PrefillWorker(
+                cache, transport, host=self.host, port=self.port,
+                engine_id=f"{self.engine_id}/{self.rank}", on_free=self._freed, key=self.key,
+                insecure=self.allow_unauthenticated, verify_checksum=self.verify_checksum,
+                lease_s=self.lease_s)
+            self.serving = _Serving(self.prefill, self.lock)
+            self.serving.start()
+        if self.consumer:
+            transport = NixlTransport(f"kvstage-d-{self.engine_id}-{self.rank}",
+                                      progress_delay_us=self.progress_delay_us)
+            self.decode = DecodeWorker(
+                cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
+                verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
+                read_timeout_s=min(READ_TIMEOUT_CAP_S, self.lease_s / 2))
+        return cache
+
+    # -- prefill -------------------------------------------------------------------------
+    def _freed(self, rid: str, block_ids: list[list[int]]) -> None:
+        """PrefillWorker's on_free (under the lock): report it unless vLLM released it."""
+        del block_ids  # vLLM frees them once every rank reports the request
+        if rid in self.released:
+            self.released.discard(rid)
+        elif rid in self.held:
+            self.freed.add(rid)
+
+    def save(self, meta: StepMeta) -> None:
+        role = self.prefill
+        if role is None or not (meta.saves or meta.holds or meta.releases):
+            return
+        queued = role.engine.is_cuda  # on CPU a copy thread would contend with the forward
+        with self.lock:
+            for rid, ids in meta.saves.items():
+                role.save(rid, ids, wait=not queued)
+            for rid, capability in meta.holds.items():
+                if rid not in meta.saves and not role.has_request(rid):
+                    role.save(rid, [[] for _ in role.layout.groups])  # nothing to copy
+                role.hold(rid, capability=capability)
+                self.held.add(rid)
+            for rid in meta.releases:
+                self.held.discard(rid)
+                self.freed.discard(rid)
+                self.finished.discard(rid)
+                if role.has_request(rid):
+                    self.released.add(rid)
+                    role.release(rid)
+
+    # -- decode --------------------------------------------------------------------------
+    def load(self, meta: StepMeta) -> None:
+        role = self.decode
+        if role is None:
+            if meta.loads:  # a producer-only instance was sent a decode request
+                self.log.error("kvstage: requests %s carry do_remote_prefill but this instance "
+                               "is kv_producer: start it as kv_consumer or kv_both",
+                               sorted(meta.loads)[:4])
+                self.recv_done.update(meta.loads)
+                self.recv_failed.update(meta.loads)
+            return
+        for remote in meta.forgets.values():
+            role.release_remote(self._address(remote), remote.request_id, remote.capability)
+        for rid, load in meta.loads.items():
+            self._start(role, rid, load)
+
+    def _address(self, remote: Remote) -> tuple[str, int]:
+        return remote.host, remote.port + self.rank
+
+    def _start(self, role: DecodeWorker, rid: str, load: Load) -> None:
+        remote = load.remote
+        if remote.tp_size != self.tp_size:
+            self._fail(rid, f"the prefill runs at tensor-parallel size {remote.tp_size}, this "
+                            f"decode at {self.tp_size}: serve both at the same size")
+            return
+        try:
+            result = role.start(rid, self._address(remote), load.remote_block_ids,
+                                load.local_block_ids, remote_request_id=remote.request_id,
+                                capability=remote.capability)
+        except (KVStageError, ValueError, TypeError) as e:
+            self._fail(rid, f"{type(e).__name__}: {e}")
+            return
+        if result.status == "failed":
+            self._fail(rid, f"{result.code}: {result.reason}")
+        elif result.status == "done":
+            self.recv_done.add(rid)
+
+    def _fail(self, rid: str, why: str) -> None:
+        self.log.error("kvstage: request %s: its KV load failed on rank %d: %s", rid,
+                       self.rank, why)
+        self.recv_done.add(rid)
+        self.recv_failed.add(rid)
+
+    # -- results -------------------------------------------------------------------------
+    def results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) of this step."""
+        sending: set[str] = set()
+        if self.prefill is not None and (self.held or self.freed):
+            with self.lock:
+                self.finished |= finished & self.held
+                sending = self.freed & self.finished
+                self.freed -= sending
+                self.finished -= sending
+                self.held -= sending
+        if self.decode is not None and self.decode.num_pending:
+            for r in self.decode.poll():
+                if r.status == "done":
+                    self.recv_done.add(r.request_id)
+                else:
+                    self._fail(r.request_id, f"{r.code}: {r.reason}")
+        done, self.recv_done = self.recv_done, set()
+        failed, self.recv_failed = self.recv_failed, set()
+        return sending, done, failed
+
+    def close(self) -> None:
+        if self.serving is not None:
+            self.serving.stopping.set()
+            self.serving.join(timeout=2.0)
+        with self.lock:
+            if self.prefill is not None:
+                self.prefill.close()
+            if self.decode is not None:
+                self.decode.close()
