@@ -30,15 +30,16 @@ PAD_ID, EOS_ID, BOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = {"<pad>": PAD_ID, "<eos>": EOS_ID, "<bos>": BOS_ID, "<unk>": UNK_ID}
 
 
-def shared_config_kwargs() -> dict[str, object]:
-    """The config fields both tiny models share (KV shapes, specials, dtype)."""
+def shared_config_kwargs(*, num_kv_heads: int = NUM_KV_HEADS) -> dict[str, object]:
+    """The config fields both tiny models share (KV shapes, specials, dtype). 2 query heads:
+    ``num_kv_heads`` 1 (the default) is replicated at tensor-parallel size 2, 2 is split."""
     return dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=2 * HIDDEN_SIZE,
         num_hidden_layers=NUM_LAYERS,
         num_attention_heads=2,
-        num_key_value_heads=NUM_KV_HEADS,
+        num_key_value_heads=num_kv_heads,
         head_dim=HEAD_DIM,
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         pad_token_id=PAD_ID,
@@ -65,12 +66,14 @@ def save_tiny_model(model_cls: type, config: object, path: str | Path, seed: int
     return out
 
 
-def build_tiny_gemma3(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny model to ``path`` (created if missing) and return it."""
+def build_tiny_gemma3(path: str | Path, *, seed: int = 0,
+                      num_kv_heads: int = NUM_KV_HEADS) -> Path:
+    """Write the tiny model to ``path`` (created if missing) and return it. ``num_kv_heads=2``
+    is the tensor-parallel variant (1 KV head per rank at size 2)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     config = Gemma3TextConfig(
-        **shared_config_kwargs(),
+        **shared_config_kwargs(num_kv_heads=num_kv_heads),
         sliding_window=SLIDING_WINDOW,
         layer_types=["sliding_attention"] * (NUM_LAYERS - 1) + ["full_attention"],
     )

@@ -76,7 +76,7 @@ QWEN3_NEXT_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 FALCON_H1_NUM_LAYERS = 2
 
 
-def _common() -> dict[str, object]:
+def _common(num_kv_heads: int = NUM_KV_HEADS) -> dict[str, object]:
     """The fields every tiny hybrid shares: vocabulary and specials, sizes, KV heads."""
     return dict(
         vocab_size=VOCAB_SIZE,
@@ -86,7 +86,7 @@ def _common() -> dict[str, object]:
         max_position_embeddings=MAX_POSITION_EMBEDDINGS,
         hidden_size=HIDDEN_SIZE,
         intermediate_size=2 * HIDDEN_SIZE,
-        num_key_value_heads=NUM_KV_HEADS,
+        num_key_value_heads=num_kv_heads,
     )
 
 
@@ -124,20 +124,24 @@ def build_tiny_granite_hybrid(path: str | Path, *, seed: int = 0) -> Path:
     return save_tiny_model(GraniteMoeHybridForCausalLM, config, path, seed)
 
 
-def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny Nemotron-H (pattern `NEMOTRON_H_PATTERN`) to ``path``."""
+def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0, n_groups: int = MAMBA_N_GROUPS,
+                          num_attention_heads: int = HIDDEN_SIZE // HEAD_DIM,
+                          num_kv_heads: int = NUM_KV_HEADS) -> Path:
+    """Write the tiny Nemotron-H (pattern `NEMOTRON_H_PATTERN`) to ``path``. The defaults are
+    the tensor-parallel-1 model; `TP2_NEMOTRON_H` is the one whose SSM groups, Mamba heads and
+    attention heads all split across 2 ranks."""
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
     config = NemotronHConfig(
-        **_common(),
+        **_common(num_kv_heads),
         hybrid_override_pattern=NEMOTRON_H_PATTERN,
         num_hidden_layers=len(NEMOTRON_H_PATTERN),
-        num_attention_heads=HIDDEN_SIZE // HEAD_DIM,
+        num_attention_heads=num_attention_heads,
         head_dim=HEAD_DIM,
         ssm_state_size=MAMBA_D_STATE,
         mamba_num_heads=MAMBA_EXPAND * HIDDEN_SIZE // MAMBA_D_HEAD,
         mamba_head_dim=MAMBA_D_HEAD,
-        n_groups=MAMBA_N_GROUPS,
+        n_groups=n_groups,
         conv_kernel=MAMBA_D_CONV,
         expand=MAMBA_EXPAND,
         chunk_size=MAMBA_CHUNK_SIZE,
@@ -147,12 +151,16 @@ def build_tiny_nemotron_h(path: str | Path, *, seed: int = 0) -> Path:
     return save_tiny_model(NemotronHForCausalLM, config, path, seed)
 
 
-def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny Qwen3-Next (gated delta net + full attention, bfloat16) to ``path``."""
+def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0, linear_num_key_heads: int = 1,
+                          linear_num_value_heads: int = 2,
+                          num_kv_heads: int = NUM_KV_HEADS) -> Path:
+    """Write the tiny Qwen3-Next (gated delta net + full attention, bfloat16) to ``path``.
+    The defaults are the tensor-parallel-1 model; `TP2_QWEN3_NEXT` splits the gated delta
+    net's key and value heads across 2 ranks (vLLM shards the key heads: 1 cannot split)."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        **_common(),
+        **_common(num_kv_heads),
         num_hidden_layers=len(QWEN3_NEXT_LAYER_TYPES),
         layer_types=list(QWEN3_NEXT_LAYER_TYPES),
         num_attention_heads=2,
@@ -160,8 +168,8 @@ def build_tiny_qwen3_next(path: str | Path, *, seed: int = 0) -> Path:
         linear_conv_kernel_dim=MAMBA_D_CONV,
         linear_key_head_dim=HEAD_DIM,
         linear_value_head_dim=HEAD_DIM,
-        linear_num_key_heads=1,
-        linear_num_value_heads=2,
+        linear_num_key_heads=linear_num_key_heads,
+        linear_num_value_heads=linear_num_value_heads,
         # vLLM's Qwen3Next needs >= 1 sparse-MoE layer (no dense-only model): 2 experts, top-1,
         # plus the shared expert, in every layer.
         num_experts=2,
@@ -197,6 +205,9 @@ BUILDERS: dict[str, Callable[..., Path]] = {
     "qwen3next": build_tiny_qwen3_next,
     "falconh1": build_tiny_falcon_h1,
 }
+# Builder keyword arguments for the tensor-parallel-2 variants (tests/system/vllm/test_vllm_tp.py)
+TP2_NEMOTRON_H: dict[str, int] = {"n_groups": 2, "num_attention_heads": 2, "num_kv_heads": 2}
+TP2_QWEN3_NEXT: dict[str, int] = {"linear_num_key_heads": 2, "linear_num_value_heads": 2}
 DTYPES = {"granite": "float32", "nemotron": "float32", "qwen3next": "bfloat16",
           "falconh1": "float32"}
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvstage.testing.tiny_gemma3 import save_tiny_model, shared_config_kwargs
+from kvstage.testing.tiny_gemma3 import NUM_KV_HEADS, save_tiny_model, shared_config_kwargs
 
 
-def build_tiny_llama(path: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny Llama to ``path`` (created if missing) and return it."""
+def build_tiny_llama(path: str | Path, *, seed: int = 0,
+                     num_kv_heads: int = NUM_KV_HEADS) -> Path:
+    """Write the tiny Llama to ``path`` (created if missing) and return it. 2 query heads;
+    ``num_kv_heads`` 1 (default: replicated at tensor-parallel size 2) or 2 (split)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**shared_config_kwargs(), tie_word_embeddings=True)
+    config = LlamaConfig(**shared_config_kwargs(num_kv_heads=num_kv_heads),
+                         tie_word_embeddings=True)
     return save_tiny_model(LlamaForCausalLM, config, path, seed)

@@ -4,6 +4,11 @@ Contract:
 - `VLLMEngine(spec)` starts ``python -m kvstage.testing.vllm_engines`` in its own process
   group with one offline ``vllm.LLM`` inside (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine
   core and worker live in that one process, so killing it leaves nothing behind).
+- ``tensor_parallel_size > 1``: the engine core stays in that process and vLLM's
+  multiprocessing executor (``distributed_executor_backend="mp"``) forks one worker per rank,
+  each bound to its own core(s) (``VLLM_CPU_OMP_THREADS_BIND`` = `EngineSpec.omp_threads_bind`,
+  e.g. ``"0|1"``). The workers stay in the engine's process group, so `stop` and `kill` reach
+  them too. Idle CPU workers spin-wait: an idle TP engine keeps its cores busy.
 - Requests go in as JSON lines on the child's stdin; results come back as JSON lines on a
   dedicated pipe (vLLM's own prints go to the log file, never into the protocol).
 - `held` steps the engine core a bounded number of times and reports the requests a
@@ -56,9 +61,30 @@ class EngineSpec:
     # hybrids: it grows the attention block until a page holds a state slot)
     block_size: int | None = 32
     kv_cache_bytes: int = 64 << 20  # the KV pool (8192 blocks of the tiny model)
-    cpu_core: int = 0
+    cpu_core: int = 0  # tensor_parallel_size 1: the one core (cpu_cores: None)
     dtype: str = "float32"
     env: dict[str, str] = field(default_factory=dict)
+    tensor_parallel_size: int = 1
+    # one core per rank (rank r on cpu_cores[r]); None: cpu_core, cpu_core + 1, ...
+    cpu_cores: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} < 1")
+        if self.cpu_cores is not None:
+            cores = tuple(int(c) for c in self.cpu_cores)  # a list, after a JSON round trip
+            if len(cores) != self.tensor_parallel_size:
+                raise ValueError(f"cpu_cores {cores} names {len(cores)} cores for "
+                                 f"tensor_parallel_size {self.tensor_parallel_size}")
+            object.__setattr__(self, "cpu_cores", cores)
+
+    def omp_threads_bind(self) -> str:
+        """``VLLM_CPU_OMP_THREADS_BIND``: the ranks' cores, ``|``-separated ("0|1")."""
+        if self.cpu_cores is None:
+            if self.tensor_parallel_size == 1:
+                return str(self.cpu_core)
+            return "|".join(str(self.cpu_core + r) for r in range(self.tensor_parallel_size))
+        return "|".join(str(c) for c in self.cpu_cores)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +128,7 @@ class VLLMEngine:
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
         env.update(
             VLLM_ENABLE_V1_MULTIPROCESSING="0",
-            VLLM_CPU_OMP_THREADS_BIND=str(self.spec.cpu_core),
+            VLLM_CPU_OMP_THREADS_BIND=self.spec.omp_threads_bind(),
             OMP_NUM_THREADS="1",
             UCX_NET_DEVICES="lo",
             VLLM_HOST_IP="127.0.0.1",
@@ -192,6 +218,7 @@ class VLLMEngine:
         if self._proc is not None and self._proc.poll() is None:
             os.killpg(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=30)
+            _wait_group_gone(self._proc.pid, grace=30.0)
 
     def stop(self, grace: float = 15.0) -> None:
         if self._proc is None:
@@ -205,6 +232,7 @@ class VLLMEngine:
                 self._proc.wait(timeout=30)
             except ProcessLookupError:
                 pass
+        _wait_group_gone(self._proc.pid, grace=grace)  # TP workers outlive the engine a bit
         if self._proc.stdin is not None:
             self._proc.stdin.close()
         if self._results is not None:
@@ -253,6 +281,23 @@ class VLLMEngine:
         return message
 
 
+def _wait_group_gone(pgid: int, grace: float) -> None:
+    """Wait until no process of group ``pgid`` is left (SIGKILL them after ``grace``)."""
+    deadline = time.monotonic() + grace
+    killed = False
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            if killed:
+                raise EngineError(f"processes of group {pgid} survived SIGKILL")
+            os.killpg(pgid, signal.SIGKILL)
+            killed, deadline = True, time.monotonic() + 30.0
+        time.sleep(0.05)
+
+
 def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import here
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -280,12 +325,15 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
         engine_args["block_size"] = spec.block_size
     if spec.kv_transfer_config is not None:
         engine_args["kv_transfer_config"] = spec.kv_transfer_config
+    if spec.tensor_parallel_size > 1:  # worker processes (the engine core stays in-process)
+        engine_args["tensor_parallel_size"] = spec.tensor_parallel_size
+        engine_args["distributed_executor_backend"] = "mp"
     llm = LLM(**engine_args)
     send({"kind": "ready"})
     for line in sys.stdin:
         request = json.loads(line)
         if request.get("op") == "held":
-            send(_held(llm, request["steps"], request["interval_s"]))
+            send(vllm_engine_ops.held(llm, request["steps"], request["interval_s"]))
             continue
         if request.get("op") in vllm_engine_ops.OPS:  # async requests (fault tests)
             try:
@@ -322,18 +370,6 @@ def _serve(spec: EngineSpec) -> None:  # runs in the child: the only vLLM import
                 "finish_reason": c.finish_reason,
             })
         send({"kind": "results", "results": results, "seconds": seconds})
-
-
-def _held(llm: Any, steps: int, interval_s: float) -> dict[str, Any]:
-    """Runs in the child: step the in-process engine core, report its held requests."""
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    for _ in range(steps):
-        if scheduler.has_requests():
-            llm.llm_engine.step()
-        time.sleep(interval_s)
-    held = sorted(rid for rid, r in scheduler.requests.items() if r.is_finished())
-    free = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-    return {"kind": "held", "request_ids": held, "free_blocks": free}
 
 
 if __name__ == "__main__":
