@@ -18,6 +18,8 @@ Programs:
 - ``pd_time``: where a 1P1D deployment's TTFT goes, phase by phase (router, queue,
   prefill, READ, h2d).
 - ``step_cost``: what the connector costs an instance per engine step when it moves no KV.
+- ``idle_cpu``: what an instance that serves nothing costs, CPU per process (api_server,
+  engine core, workers) per second idle.
 
 Their parts: ``transfer_bench``, ``posting``, ``pipeline``, ``chunked`` (transfer);
 ``workloads``, ``hostile``, ``soak_report`` (soak); ``stream`` (pd_time, step_cost).

@@ -66,6 +66,10 @@ def test_part_imports(name: str) -> None:
     ("step_cost", ["--kv-extra", "no-equals"], "--kv-extra expects KEY=VALUE"),
     ("step_cost", ["--trials", "0"], "--trials: expected 1..10"),
     ("step_cost", ["--arrangements", "five"], "--arrangements: expected names from"),
+    ("idle_cpu", ["--kinds", "plain,nope"], "--kinds: expected names from"),
+    ("idle_cpu", ["--idle-s", "0"], "--idle-s in (0, 600]"),
+    ("idle_cpu", ["--env", "NOEQUALS"], "--env: expected KEY=VALUE"),
+    ("idle_cpu", ["--cores", "4096"], "--cores [4096]: need at least --tp"),
 ])
 def test_bad_arguments_one_line_exit_2(name: str, argv: list[str], says: str,
                                        capsys: pytest.CaptureFixture[str]) -> None:

@@ -50,6 +50,9 @@ from kvstage.pd.prefill import PrefillWorker
 IDLE_WAIT_S = 0.1  # the serving thread's wait with nothing held
 HELD_WAIT_S = 0.002  # ... while requests are held (NIXL notifications are polled)
 READ_TIMEOUT_CAP_S = 10.0
+#: the first READ from a prefill rank waits for its metadata: an instance whose workers
+#: share cores with others (4 vLLM workers on 2 cores in the tests) answers late, not never
+HANDSHAKE_TIMEOUT_S = 15.0
 
 
 class _Serving(threading.Thread):
@@ -121,6 +124,7 @@ class WorkerSide:
             self.decode = DecodeWorker(
                 cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
                 verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
+                handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
                 read_timeout_s=min(READ_TIMEOUT_CAP_S, self.lease_s / 2))
         return cache
 

