@@ -1,7 +1,7 @@
 """`integrations.vllm.config.KVStageConfig`: every connector setting parsed once, exactly:
 defaults, each key's value, one line per bad value naming key, value and range (all in one
 error), unknown and removed ``kvstage_*`` keys refused with the known list, and the
-README's table equal to `KEYS`."""
+docs/connector.md's table equal to `KEYS`."""
 
 from __future__ import annotations
 
@@ -97,8 +97,8 @@ def test_from_vllm_reads_the_config_by_attribute() -> None:
     assert KVStageConfig.from_vllm(vllm_config) == KVStageConfig(force_host_buffer=True)
 
 
-def test_readme_table_is_the_keys() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+def test_connector_reference_table_is_the_keys() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "connector.md").read_text()
     rows = re.findall(r"^\| `(kv[a-z_]+)` \| (.+?) \| (.+?) \| (.+?) \| (.+?) \|$", readme,
                       re.MULTILINE)
     table = [r for r in rows if r[0] in {k for k, *_ in KEYS}]
