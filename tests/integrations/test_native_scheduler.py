@@ -1,6 +1,6 @@
 """kvstage's own connector, scheduler side, without an engine: what a decode accepts from
-``kv_transfer_params`` (anything else is refused in one line and the prompt is computed
-locally), which blocks a transfer moves per group, and what the step metadata costs."""
+``kv_transfer_params`` (anything else is refused in one line: the load fails and vLLM's
+``kv_load_failure_policy`` decides), which blocks a transfer moves per group, and what the step metadata costs."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_parse_remote_accepts_the_proxy_protocol() -> None:
 
 @pytest.mark.parametrize(("over", "says"), [
     ({PARAMS_KEY: {"v": 1, "capability": CAP.hex()}}, "kvstage protocol 1, expected 4"),
-    ({PARAMS_KEY: None}, "kvstage protocol None"),
+    ({PARAMS_KEY: None}, "does not run kvstage's KV connector"),
     ({"remote_port": 70000}, "malformed"),
     ({"remote_port": "5600"}, "malformed"),
     ({"tp_size": 0}, "malformed"),

@@ -49,8 +49,10 @@ from vllm.distributed.parallel_state import (
 from vllm.logger import init_logger
 
 from kvstage.integrations.vllm.config import KVStageConfig
+from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock, time_hooks
 from kvstage.integrations.vllm.native.metadata import StepMeta
 from kvstage.integrations.vllm.native.scheduler import SchedulerSide
+from kvstage.integrations.vllm.native.stats import QUIET_KEY, KVStagePromMetrics, KVStageStats
 from kvstage.integrations.vllm.native.worker import WorkerSide
 from kvstage.integrations.vllm.secure import Security
 from kvstage.integrations.vllm.state import refuse_unservable
@@ -59,6 +61,7 @@ from kvstage.pd.integrity import check_available
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -122,9 +125,42 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
                 key=security.key, host=host, port=base_port + rank,
                 allow_unauthenticated=config.allow_unauthenticated,
                 verify_checksum=config.verify_checksum, lease_s=config.lease_duration_s,
-                progress_delay_us=config.progress_delay_us, logger=logger)
+                progress_delay_us=config.progress_delay_us, logger=logger,
+                log_reads=config.log_reads)
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
+        # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times
+        self.clock = HookClock("worker" if self.worker_side is not None else "scheduler")
+        if config.time_hooks:
+            time_hooks(self, self.clock)
+
+    # -- stats ---------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's figures since the last call (`stats`): the copies and READs when
+        there are any, the hook times and quiet steps about once a second."""
+        side = self.worker_side or self.scheduler_side
+        assert side is not None
+        stats = self.worker_side.take_stats() if self.worker_side is not None else None
+        if self.clock.due():
+            hooks, quiet = self.clock.take(), side.quiet_steps
+            side.quiet_steps = 0
+            if hooks or quiet:
+                stats = stats or KVStageStats()
+                if hooks:
+                    stats.data[HOOK_KEY] = hooks
+                if quiet:
+                    stats.data[QUIET_KEY] = [[self.clock.side, quiet]]
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:
+        return KVStageStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVStagePromMetrics:
+        return KVStagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side -------------------------------------------------------------------------
     def _worker(self) -> WorkerSide:
@@ -160,7 +196,7 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker().save(self._meta())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        sending, recving, failed = self._worker().results(finished_req_ids)
+        sending, recving, failed = self._worker().results(finished_req_ids, self._meta())
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
                                           failed_recving=failed)
 

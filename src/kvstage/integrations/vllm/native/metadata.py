@@ -16,6 +16,10 @@ step is the same step on every rank, whatever each rank's clock says. Fields:
 - ``loads``: request id -> `Load` (the decode's READ of a remote prefill into local ids).
 - ``forgets``: requests whose remote blocks the decode will not read (a full local prefix
   hit, an abort before the READ): every rank asks its prefill peer to release them.
+- ``fails``: request id -> why its ``kv_transfer_params`` cannot be loaded from (a prefill
+  that does not run kvstage, another protocol version, malformed fields): every rank
+  reports the load failed, and vLLM's ``kv_load_failure_policy`` decides (``fail`` ends
+  the request, ``recompute`` computes the prompt here).
 
 Everything is plain data (lists, ints, strings): vLLM pickles it to the workers. An empty
 step pickles to a few dozen bytes (`EMPTY` is shared).
@@ -60,10 +64,12 @@ class StepMeta(KVConnectorMetadata):
     releases: set[str] = field(default_factory=set)
     loads: dict[str, Load] = field(default_factory=dict)
     forgets: dict[str, Remote] = field(default_factory=dict)
+    fails: dict[str, str] = field(default_factory=dict)  # request id -> why
 
     @property
     def empty(self) -> bool:
-        return not (self.saves or self.holds or self.releases or self.loads or self.forgets)
+        return not (self.saves or self.holds or self.releases or self.loads or self.forgets
+                    or self.fails)
 
 
 def capability_of(key: bytes | None, engine_id: str, request_id: str) -> bytes:

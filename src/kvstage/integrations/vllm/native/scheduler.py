@@ -24,7 +24,10 @@ Decode (``do_remote_prefill``): the prompt's tokens, less that last one for stat
 are loaded asynchronously; ``update_state_after_alloc`` turns the allocation into one
 `metadata.Load` per request (local ids as vLLM allocated them, each list clipped as the
 prefill clipped its own); a request that loads nothing (a full local prefix hit) or ends
-before its READ asks the prefill to release its blocks (``forgets``).
+before its READ asks the prefill to release its blocks (``forgets``). Parameters that
+cannot be loaded from (`parse_remote`: a prefill without kvstage, another protocol
+version, a malformed field) fail the load with that one line (``fails``): vLLM's
+``kv_load_failure_policy`` decides between an error and a local recompute.
 
 Threads: vLLM's engine-core thread calls every method. No socket, no thread here.
 """
@@ -70,10 +73,14 @@ def parse_remote(params: dict[str, Any], num_groups: int) -> tuple[Remote, Ids] 
         host, port = params["remote_host"], params["remote_port"]
         tp_size = params.get("tp_size", 1)
         rid, engine = params["remote_request_id"], params["remote_engine_id"]
-        ours = params[PARAMS_KEY]
         ids = params["remote_block_ids"]
     except (KeyError, TypeError) as e:
         return f"kv_transfer_params lack {e}: is the prefill running KVStageConnector?"
+    ours = params.get(PARAMS_KEY)
+    if ours is None:
+        return (f"the prefill at {host}:{port} does not run kvstage's KV connector (its "
+                f"kv_transfer_params carry no {PARAMS_KEY!r} entry): serve prefill and decode "
+                "with KVStageConnector")
     if not isinstance(ours, dict) or ours.get("v") != PROTOCOL:
         got = ours.get("v") if isinstance(ours, dict) else ours
         return (f"kv_transfer_params[{PARAMS_KEY!r}] is kvstage protocol {got!r}, expected "
@@ -118,6 +125,7 @@ class SchedulerSide:
         self.saving: dict[str, Request] = {}  # prefill: prompts being saved
         self.final: dict[str, Ids] = {}  # prefill: held requests -> the ids handed out
         self.step = StepMeta()  # what the next build hands the workers
+        self.quiet_steps = 0  # builds with nothing for the workers, since the last stats
 
     # -- ids ------------------------------------------------------------------------------
     def clip(self, ids: tuple[list[int], ...] | Ids) -> tuple[list[int], ...]:
@@ -155,8 +163,6 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not (params and params.get("do_remote_prefill")):
             return 0, False
-        if isinstance(parse_remote(params, self.num_groups), str):
-            return 0, False  # said once, in update_state_after_alloc
         total = request.num_prompt_tokens
         if self.backoff and total > self.backoff:
             total -= self.backoff
@@ -177,7 +183,10 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one transfer per request
         parsed = parse_remote(params, self.num_groups)
         if isinstance(parsed, str):
-            logger.error("kvstage: request %s computes its prompt here: %s", rid, parsed)
+            if num_external > 0:
+                self.step.fails[rid] = parsed  # the workers report it: the policy decides
+            else:
+                logger.error("kvstage: request %s: %s", rid, parsed)
             return
         remote, remote_ids = parsed
         if num_external <= 0:
@@ -226,6 +235,8 @@ class SchedulerSide:
         if self.saving:
             self._plan_saves(scheduler_output)
         step, self.step = self.step, StepMeta()
+        if step.empty:
+            self.quiet_steps += 1
         return step
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

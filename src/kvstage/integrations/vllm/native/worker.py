@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from kvstage.cache import KVCache, layout_from_layers
 from kvstage.errors import KVStageError
 from kvstage.integrations.vllm.copies import kvstage_groups, page_rows
 from kvstage.integrations.vllm.native.metadata import Load, Remote, StepMeta
+from kvstage.integrations.vllm.native.stats import LOG_PREFIX, KVStageStats
 from kvstage.layout import DTYPES, storage_dtype
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
@@ -78,7 +80,8 @@ class WorkerSide:
     def __init__(self, *, engine_id: str, rank: int, tp_size: int, producer: bool,
                  consumer: bool, key: bytes | None, host: str, port: int,
                  allow_unauthenticated: bool, verify_checksum: bool, lease_s: float,
-                 progress_delay_us: int, logger: logging.Logger | Any) -> None:
+                 progress_delay_us: int, logger: logging.Logger | Any,
+                 log_reads: bool = False) -> None:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
         self.producer, self.consumer = producer, consumer
         self.key, self.host, self.port = key, host, port
@@ -96,6 +99,12 @@ class WorkerSide:
         self.released: set[str] = set()  # prefill: released on vLLM's word (not reported)
         self.recv_done: set[str] = set()  # decode: READs over (or refused)
         self.recv_failed: set[str] = set()
+        self.peers: set[tuple[str, int]] = set()  # decode: prefill ranks handshaken with
+        self.stats = KVStageStats()
+        self.log_reads = log_reads
+        self.saved: dict[str, list[float]] = {}  # prefill: rid -> [blocks, seconds] so far
+        self.quiet_steps = 0  # steps with nothing to do, since the last hand-out
+        self.block_bytes = 0
 
     # -- start ---------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], groups: list[tuple[list[str], Any]],
@@ -106,6 +115,7 @@ class WorkerSide:
         rows = {n: page_rows(n, kv_caches[n], num_blocks, dtype) for n in names}
         layout = layout_from_layers(rows, kv_groups)
         cache = KVCache.wrap_layers(layout, rows)
+        self.block_bytes = layout.block_bytes
         from kvstage.transport.nixl import NixlTransport  # lazily: NIXL is optional
 
         if self.producer:
@@ -143,14 +153,30 @@ class WorkerSide:
             return
         queued = role.engine.is_cuda  # on CPU a copy thread would contend with the forward
         with self.lock:
+            step: dict[str, tuple[int, float]] = {}
             for rid, ids in meta.saves.items():
-                role.save(rid, ids, wait=not queued)
+                start = time.perf_counter()
+                try:
+                    role.save(rid, ids, wait=not queued)
+                except Exception:
+                    self.stats.add(copy_failures=1)
+                    raise
+                step[rid] = (sum(len(g) for g in ids), time.perf_counter() - start)
+                total = self.saved.setdefault(rid, [0, 0.0])
+                total[0] += step[rid][0]
+                total[1] += step[rid][1]
             for rid, capability in meta.holds.items():
                 if rid not in meta.saves and not role.has_request(rid):
                     role.save(rid, [[] for _ in role.layout.groups])  # nothing to copy
                 role.hold(rid, capability=capability)
                 self.held.add(rid)
+                blocks, seconds = self.saved.pop(rid, [0, 0.0])
+                last_blocks, last_s = step.get(rid, (0, 0.0))
+                self.stats.add(d2h_blocks=int(blocks), d2h_bytes=int(blocks) * self.block_bytes,
+                               d2h_seconds=seconds, d2h_last_step_blocks=last_blocks,
+                               d2h_wait_seconds=last_s)
             for rid in meta.releases:
+                self.saved.pop(rid, None)
                 self.held.discard(rid)
                 self.freed.discard(rid)
                 self.finished.discard(rid)
@@ -162,13 +188,16 @@ class WorkerSide:
     def load(self, meta: StepMeta) -> None:
         role = self.decode
         if role is None:
-            if meta.loads:  # a producer-only instance was sent a decode request
+            if meta.loads or meta.fails:  # a producer-only instance was sent a decode request
+                rids = set(meta.loads) | set(meta.fails)
                 self.log.error("kvstage: requests %s carry do_remote_prefill but this instance "
                                "is kv_producer: start it as kv_consumer or kv_both",
-                               sorted(meta.loads)[:4])
-                self.recv_done.update(meta.loads)
-                self.recv_failed.update(meta.loads)
+                               sorted(rids)[:4])
+                self.recv_done.update(rids)
+                self.recv_failed.update(rids)
             return
+        for rid, why in meta.fails.items():
+            self._fail(rid, why)
         for remote in meta.forgets.values():
             role.release_remote(self._address(remote), remote.request_id, remote.capability)
         for rid, load in meta.loads.items():
@@ -192,18 +221,51 @@ class WorkerSide:
             return
         if result.status == "failed":
             self._fail(rid, f"{result.code}: {result.reason}")
-        elif result.status == "done":
+            return
+        if result.status == "done":
             self.recv_done.add(rid)
+        address = self._address(remote)
+        if address not in self.peers:
+            self.peers.add(address)
+            self.log.info("kvstage: rank %d: handshake with prefill %s rank %d at %s:%d passed "
+                          "(kvstage's side channel%s)", self.rank, remote.engine_id, self.rank,
+                          *address, ", sealed with the key" if self.key else "")
 
     def _fail(self, rid: str, why: str) -> None:
         self.log.error("kvstage: request %s: its KV load failed on rank %d: %s", rid,
                        self.rank, why)
         self.recv_done.add(rid)
         self.recv_failed.add(rid)
+        self.stats.add(read_failures=1)
+
+    def _record_load(self, r: Any) -> None:
+        """A finished READ and h2d (`kvstage.pd.reads.RequestResult`) into the stats."""
+        if not r.nbytes:
+            return  # nothing was read (every id local already)
+        blocks = sum(len(g) for g in r.local_block_ids)
+        self.stats.add(h2d_blocks=blocks, h2d_bytes=r.nbytes, h2d_seconds=r.decode_s,
+                       read_bytes=r.nbytes, read_seconds=r.read_s,
+                       read_descriptors=r.num_descriptors)
+        if self.log_reads:
+            self.log.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d", LOG_PREFIX,
+                          r.nbytes, round(r.read_s * 1e6), 0, r.num_descriptors)
+
+    def take_stats(self) -> KVStageStats | None:
+        """The figures since the last call (then reset), or None when there are none."""
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVStageStats()
+        return out
 
     # -- results -------------------------------------------------------------------------
-    def results(self, finished: set[str]) -> tuple[set[str], set[str], set[str]]:
-        """(finished_sending, finished_recving, failed_recving) of this step."""
+    def results(self, finished: set[str], meta: StepMeta | None = None
+                ) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) of this step; a step with
+        nothing to do (``meta`` empty, nothing held, read or reported) counts as quiet."""
+        if (meta is not None and meta.empty and not (self.held or self.freed or self.recv_done)
+                and not (self.decode is not None and self.decode.num_pending)):
+            self.quiet_steps += 1
+            return set(), set(), set()
         sending: set[str] = set()
         if self.prefill is not None and (self.held or self.freed):
             with self.lock:
@@ -216,6 +278,7 @@ class WorkerSide:
             for r in self.decode.poll():
                 if r.status == "done":
                     self.recv_done.add(r.request_id)
+                    self._record_load(r)
                 else:
                     self._fail(r.request_id, f"{r.code}: {r.reason}")
         done, self.recv_done = self.recv_done, set()
