@@ -33,7 +33,7 @@ from kvstage.serving import (
     PDCluster,
     ServingError,
 )
-from kvstage.serving.cluster import DEVICES, default_device, router_executable
+from kvstage.serving.cluster import DEVICES, MAX_TP, default_device, router_executable
 from kvstage.serving.engine_args import with_user_flags
 from kvstage.serving.instances import Instance
 from kvstage.serving.kv_config import free_ports
@@ -102,6 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill instances (default 1)")
     p.add_argument("--decode", type=positive(int, "--decode", high=MAX_INSTANCES), default=1,
                    help="decode instances (default 1)")
+    p.add_argument("--prefill-tp", type=positive(int, "--prefill-tp", high=MAX_TP), default=1,
+                   help="tensor-parallel size of each prefill instance (default 1)")
+    p.add_argument("--decode-tp", type=positive(int, "--decode-tp", high=MAX_TP), default=1,
+                   help="tensor-parallel size of each decode instance (default 1; today "
+                        "equal to --prefill-tp)")
     p.add_argument("--port", type=_port, default=8000,
                    help="the router's port; with --role prefill/decode the first instance's "
                         "(instance i: port + i) (default 8000)")
@@ -147,7 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a flag for vllm-router verbatim, e.g. "
                         "--router-arg=--health-check-interval-secs=5; repeatable")
     p.add_argument("--share-gpus", action="store_true",
-                   help="cuda: allow fewer GPUs than instances (instance i on GPU i mod n)")
+                   help="cuda: allow fewer GPUs than instances x TP size (GPUs reused in "
+                        "order, mod the number visible)")
     p.add_argument("api_server_args", nargs=argparse.REMAINDER,
                    help="after --: flags for every api_server (one given replaces the "
                         "--engine-defaults flag of its name; --model, --host, --port and "
@@ -192,6 +198,10 @@ def run(args: argparse.Namespace) -> int:
         if args.key_file:
             kv_extra["kvstage_key_file"] = args.key_file
         count = {"prefill": args.prefill, "decode": args.decode}.get(args.role, 1)
+        if args.prefill_tp != args.decode_tp and args.role == "all":
+            raise ServingError(f"--prefill-tp {args.prefill_tp} and --decode-tp "
+                               f"{args.decode_tp} differ: kvstage's connector moves KV "
+                               "between equal tensor-parallel sizes; give both the same size")
         if args.role == "all" and args.host != "127.0.0.1":
             raise ServingError("--host is for --role prefill/decode/router (one host's part); "
                                "--role all runs everything on 127.0.0.1")
@@ -225,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
                 model=args.model, num_prefill=args.prefill, num_decode=args.decode,
                 connector=args.connector, kv_load_failure_policy=args.kv_load_failure_policy,
                 log_dir=log_dir, engine_args=engine_args, device=device,
+                prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
                 router_port=args.port, start_timeout=args.start_timeout,
                 extra_kv_config=kv_extra or None, router_args=tuple(args.router_arg),
                 share_gpus=args.share_gpus)
@@ -240,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
                 side_channel_port=args.side_channel_port, engine_args=engine_args,
                 connector=args.connector, policy=args.kv_load_failure_policy,
                 kv_extra=kv_extra, device=device, log_dir=log_dir,
-                share_gpus=args.share_gpus), None
+                share_gpus=args.share_gpus,
+                tp=args.prefill_tp if args.role == "prefill" else args.decode_tp), None
     except ServingError as exc:  # e.g. fewer GPUs than instances, no key: nothing started
         print(f"kvstage serve-pd: {exc}", file=sys.stderr)
         return 2

@@ -49,6 +49,7 @@ from kvstage.serving.kv_config import (
 CONNECTORS = ("kvstage", "nixl", "none")
 FAILURE_POLICIES = ("fail", "recompute")
 DEVICES = ("cpu", "cuda")
+MAX_TP = 64
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -82,6 +83,26 @@ def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[tup
         return [tuple(cores)] * n
     half = max(1, len(cores) * num_prefill // n)
     return [tuple(cores[:half])] * num_prefill + [tuple(cores[half:])] * num_decode
+
+
+def place_ranks(cores: list[int], num_prefill: int, num_decode: int, prefill_tp: int = 1,
+                decode_tp: int = 1) -> list[tuple[tuple[int, ...], ...]]:
+    """Cores per instance and tensor-parallel rank, prefills first. At TP 1 everywhere,
+    `split_cores`. Else, with a core per rank or more: consecutive chunks (each rank
+    ``len(cores) // ranks`` cores); with fewer, every instance spreads its ranks over all
+    cores (rank r on core r mod n), sharing them with the other instances."""
+    tps = [prefill_tp] * num_prefill + [decode_tp] * num_decode
+    if prefill_tp == decode_tp == 1:
+        return [(c,) for c in split_cores(cores, num_prefill, num_decode)]
+    ranks = sum(tps)
+    if len(cores) >= ranks:
+        per, out, first = len(cores) // ranks, [], 0
+        for tp in tps:
+            out.append(tuple(tuple(cores[(first + r) * per:(first + r + 1) * per])
+                             for r in range(tp)))
+            first += tp
+        return out
+    return [tuple((cores[r % len(cores)],) for r in range(tp)) for tp in tps]
 
 
 def default_device() -> str:
@@ -122,20 +143,33 @@ def visible_gpus() -> list[str]:
     return sorted((n[6:] for n in nodes if re.fullmatch(r"nvidia\d+", n)), key=int)
 
 
-def gpu_assignment(count: int, *, share: bool = False) -> list[str]:
-    """One GPU per instance, in order; fewer visible GPUs than instances is refused unless
-    ``share`` (then instance i gets GPU i mod the number visible)."""
+def gpu_assignment(count: int, *, share: bool = False,
+                   tps: list[int] | None = None) -> list[str]:
+    """GPUs per instance (``CUDA_VISIBLE_DEVICES``, comma-separated): instance i takes
+    ``tps[i]`` GPUs (its tensor-parallel size; default 1 each), in order. Fewer visible
+    GPUs than that is refused unless ``share`` (then GPUs are reused, in order, mod the
+    number visible; an instance's ranks on distinct GPUs while there are enough)."""
+    tps = tps or [1] * count
+    need = sum(tps)
     gpus = visible_gpus()
     if not gpus:
         raise ServingError("device cuda but no GPU visible (CUDA_VISIBLE_DEVICES empty, no "
                            "/dev/nvidia<N>); run with device cpu")
-    if len(gpus) < count and not share:
+    if max(tps) > len(gpus):
+        raise ServingError(f"tensor-parallel size {max(tps)} needs {max(tps)} GPUs per "
+                           f"instance, {len(gpus)} visible ({','.join(gpus)}): lower the "
+                           "size or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+    if len(gpus) < need and not share:
         raise ServingError(
-            f"{count} api_servers need {count} GPUs, {len(gpus)} visible "
-            f"({','.join(gpus)}): set CUDA_VISIBLE_DEVICES to {count} GPUs, start fewer "
-            f"instances, or share them (share_gpus=True, serve-pd --share-gpus: instance i on "
-            f"GPU i mod {len(gpus)}, with --gpu-memory-utilization sized for it)")
-    return [gpus[i % len(gpus)] for i in range(count)]
+            f"{count} api_servers need {need} GPUs, {len(gpus)} visible "
+            f"({','.join(gpus)}): set CUDA_VISIBLE_DEVICES to {need} GPUs, start fewer "
+            f"instances, or share them (share_gpus=True, serve-pd --share-gpus: GPUs reused "
+            f"in order mod {len(gpus)}, with --gpu-memory-utilization sized for it)")
+    out, first = [], 0
+    for tp in tps:
+        out.append(",".join(gpus[(first + r) % len(gpus)] for r in range(tp)))
+        first += tp
+    return out
 
 
 def router_executable() -> str:
@@ -154,11 +188,20 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
                         engine_args: EngineArgs, kv_config: dict[str, Any] | None,
                         device: str, cores: tuple[int, ...] | None = None,
                         gpu: str | None = None, side_channel_port: int | None = None,
-                        env: dict[str, str] | None = None, host: str = "127.0.0.1") -> Instance:
+                        env: dict[str, str] | None = None, host: str = "127.0.0.1",
+                        rank_cores: tuple[tuple[int, ...], ...] | None = None) -> Instance:
     """An api_server `Instance` (not started) bound to ``host`` (its HTTP server, NIXL side
-    channel and ``VLLM_HOST_IP``); UCX on loopback only when ``host`` is loopback."""
+    channel and ``VLLM_HOST_IP``); UCX on loopback only when ``host`` is loopback.
+    ``rank_cores`` (CPU): the cores of each tensor-parallel rank (`place_ranks`); more than
+    one rank runs the instance at that TP size (``gpu``, on CUDA: its GPUs, one per rank;
+    its side channel takes ``side_channel_port`` + rank)."""
+    tp = len(rank_cores) if rank_cores else (len(gpu.split(",")) if gpu else 1)
     argv = [sys.executable, "-m", API_SERVER_MODULE, "--model", model,
             "--host", host, "--port", str(port), *engine_args.argv()]
+    if tp > 1:
+        argv += ["--tensor-parallel-size", str(tp)]
+    if rank_cores is not None:
+        cores = tuple(sorted({c for r in rank_cores for c in r}))
     if kv_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_config, separators=(",", ":"))]
     # DS: the conv state (dim, state_len), which vLLM's NIXL transfer of Mamba state needs;
@@ -171,8 +214,11 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
     if device == "cpu":
         if cores:
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
-            child_env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
-            child_env["OMP_NUM_THREADS"] = str(len(cores))
+            per_rank = rank_cores or (cores,)
+            # vLLM's CPU workers: rank r's OpenMP threads on the r-th |-separated list
+            child_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, r)) for r in per_rank)
+            child_env["OMP_NUM_THREADS"] = str(len(per_rank[0]))
         if is_loopback(host):
             child_env["UCX_NET_DEVICES"] = "lo"
     if not is_loopback(host):
@@ -212,6 +258,8 @@ class PDCluster:
     model: str
     num_prefill: int = 1
     num_decode: int = 1
+    prefill_tp: int = 1  # tensor-parallel size of each prefill instance
+    decode_tp: int = 1
     connector: str = "kvstage"
     kv_load_failure_policy: str = "fail"
     log_dir: str | Path | None = None
@@ -241,14 +289,19 @@ class PDCluster:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError(f"need >= 1 prefill and >= 1 decode, got {self.num_prefill} "
                              f"and {self.num_decode}")
+        if not (1 <= self.prefill_tp <= MAX_TP and 1 <= self.decode_tp <= MAX_TP):
+            raise ValueError(f"tensor-parallel sizes must be 1..{MAX_TP}, got prefill "
+                             f"{self.prefill_tp} and decode {self.decode_tp}")
         if self.log_dir is None:
             self.log_dir = tempfile.mkdtemp(prefix="kvstage-serve-")
         log_dir = Path(self.log_dir)
         n = self.num_prefill + self.num_decode
-        ports = free_ports(2 * n)
-        http, side = ports[:n], ports[n:]
-        cores = split_cores(sorted(os.sched_getaffinity(0)), self.num_prefill, self.num_decode)
-        gpus: list[str | None] = (list(gpu_assignment(n, share=self.share_gpus))
+        tps = [self.prefill_tp] * self.num_prefill + [self.decode_tp] * self.num_decode
+        http = free_ports(n)
+        side = free_ports(n, width=max(tps))  # rank r listens on side + r
+        cores = place_ranks(sorted(os.sched_getaffinity(0)), self.num_prefill,
+                            self.num_decode, self.prefill_tp, self.decode_tp)
+        gpus: list[str | None] = (list(gpu_assignment(n, share=self.share_gpus, tps=tps))
                                   if self.device == "cuda" else [None] * n)
         for i in range(n):
             role = "prefill" if i < self.num_prefill else "decode"
@@ -260,7 +313,7 @@ class PDCluster:
             inst = api_server_instance(
                 f"{role}{index}", role, self.model, port=http[i], log_dir=log_dir,
                 engine_args=self.engine_args, kv_config=kv, device=self.device,
-                cores=cores[i], gpu=gpus[i],
+                rank_cores=cores[i], gpu=gpus[i],
                 side_channel_port=side[i], env=self.env)
             (self.prefills if role == "prefill" else self.decodes).append(inst)
 

@@ -37,8 +37,10 @@ def kv_transfer_config(
     }
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports free on 127.0.0.1 right now (HTTP and NIXL side channels).
+def free_ports(count: int, width: int = 1) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now (HTTP and NIXL side channels);
+    with ``width`` > 1, each is the first of ``width`` consecutive free ports (an instance
+    at tensor-parallel size N listens on its side-channel port + rank, N ports).
 
     Picked at random BELOW the kernel's ephemeral range (``ip_local_port_range``, 32768 up
     here): a server binds its port tens of seconds after the pick (an engine loads first),
@@ -55,21 +57,43 @@ def free_ports(count: int) -> list[int]:
     rng = random.SystemRandom()
     socks: list[socket.socket] = []
     try:
+        bases: list[int] = []
         for _ in range(count):
-            s = socket.socket()
-            socks.append(s)
             for _attempt in range(64):
-                try:
-                    s.bind(("127.0.0.1", rng.randrange(10000, low)))
+                base = rng.randrange(10000, low - width)
+                run = _bind_run(base, width)
+                if run:
+                    socks += run
+                    bases.append(base)
                     break
-                except OSError:
-                    continue
             else:
+                if width != 1:
+                    raise OSError(f"no {width} consecutive free ports found on 127.0.0.1")
+                s = socket.socket()
+                socks.append(s)
                 s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
+                bases.append(int(s.getsockname()[1]))
+        return bases
     finally:
         for s in socks:
             s.close()
+
+
+def _bind_run(base: int, width: int) -> list[Any]:
+    """Sockets bound on ``base`` .. ``base + width - 1`` of 127.0.0.1, or [] (none kept)."""
+    import socket
+
+    run: list[socket.socket] = []
+    try:
+        for port in range(base, base + width):
+            s = socket.socket()
+            run.append(s)
+            s.bind(("127.0.0.1", port))
+    except OSError:
+        for s in run:
+            s.close()
+        return []
+    return run
 
 
 def _ephemeral_low() -> int:

@@ -5,7 +5,8 @@ the router on yet another. Contract:
 - `host_instances(role, model, ...)`: this host's ``count`` api_servers of one role (not
   started), bound to ``host`` (their HTTP server, NIXL side channel and ``VLLM_HOST_IP``:
   the address peers use), HTTP ports ``port + i`` and side-channel ports
-  ``side_channel_port + i``; on CPU pinned to this process's cores, on CUDA one GPU each
+  ``side_channel_port + i * tp`` (rank r of instance i on that + r); on CPU pinned to
+  this process's cores (`cluster.place_ranks`), on CUDA ``tp`` GPUs each
   (`cluster.gpu_assignment`).
 - `host_router(prefill_urls, decode_urls, ...)`: vllm-router in front of instances on
   other hosts (not started).
@@ -28,8 +29,8 @@ from kvstage.serving.cluster import (
     api_server_instance,
     connector_config,
     gpu_assignment,
+    place_ranks,
     router_instance,
-    split_cores,
 )
 from kvstage.serving.engine_args import EngineArgs
 from kvstage.serving.instances import Instance, ServingError
@@ -66,23 +67,23 @@ def check_url(text: str) -> str:
 def host_instances(role: str, model: str, *, count: int, host: str, port: int,
                    side_channel_port: int, engine_args: EngineArgs, connector: str,
                    policy: str, kv_extra: dict[str, Any], device: str, log_dir: Path,
-                   share_gpus: bool = False) -> list[Instance]:
+                   share_gpus: bool = False, tp: int = 1) -> list[Instance]:
     if role not in ROLES[:2]:
         raise ServingError(f"api_server role must be one of {ROLES[:2]}, got {role!r}")
     check_keyed(host, kv_extra)
-    if port + count - 1 > 65535 or side_channel_port + count - 1 > 65535:
+    if port + count - 1 > 65535 or side_channel_port + count * tp - 1 > 65535:
         raise ServingError(f"{count} instances from port {port} / side channel "
                            f"{side_channel_port} run past 65535; pick lower ports")
     kv = connector_config(connector, "kv_producer" if role == "prefill" else "kv_consumer",
                           device=device, policy=policy, extra=kv_extra or None)
-    cores = split_cores(sorted(os.sched_getaffinity(0)), count, 0)
-    gpus: list[str | None] = (list(gpu_assignment(count, share=share_gpus))
+    cores = place_ranks(sorted(os.sched_getaffinity(0)), count, 0, tp, tp)
+    gpus: list[str | None] = (list(gpu_assignment(count, share=share_gpus, tps=[tp] * count))
                               if device == "cuda" else [None] * count)
-    return [
+    return [  # instance i's ranks: side channel ports side_channel_port + i * tp + rank
         api_server_instance(f"{role}{i}", role, model, port=port + i, log_dir=log_dir,
                             engine_args=engine_args, kv_config=kv, device=device,
-                            cores=cores[i], gpu=gpus[i], side_channel_port=side_channel_port + i,
-                            host=host)
+                            rank_cores=cores[i], gpu=gpus[i],
+                            side_channel_port=side_channel_port + i * tp, host=host)
         for i in range(count)
     ]
 
