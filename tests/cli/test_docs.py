@@ -1,13 +1,16 @@
 """The guides exist, and the connector reference lists every metric the connector defines.
 
-The metric names are read from ``kvstage/integrations/vllm/stats.py``'s source (importing it
-needs vLLM): each ``name="vllm:kvstage_..."`` there, an ``{d}`` expanded to both copy
-directions, must appear in docs/connector.md (a counter is documented with the ``_total``
-suffix Prometheus adds). The settings are held by tests/integrations/test_vllm_config.py.
+The metric names are read from the source of every ``stats.py`` under
+``kvstage/integrations/vllm`` (importing one needs vLLM): each literal
+``name="vllm:kvstage_..."`` (an ``{d}`` expanded to both copy directions) and each key of a
+``METRICS`` table (``vllm:kvstage_<key>``) must appear in docs/connector.md (a counter is
+documented with the ``_total`` suffix Prometheus adds). The settings are held by
+tests/integrations/test_vllm_config.py.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -18,8 +21,18 @@ GUIDES = ("deploy.md", "connector.md", "architecture.md", "library.md")
 def metric_names(source: str) -> set[str]:
     names: set[str] = set()
     for name in re.findall(r'name=f?"(vllm:kvstage_[a-z_{}]+)"', source):
-        for d in ("d2h", "h2d"):
-            names.add(name.replace("{d}", d))
+        if "{name}" not in name:
+            names.update(name.replace("{d}", d) for d in ("d2h", "h2d"))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.AnnAssign):
+            target, value = node.target, node.value
+        elif isinstance(node, ast.Assign):
+            target, value = node.targets[0], node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id == "METRICS" and isinstance(value, ast.Dict):
+            names.update(f"vllm:kvstage_{k.value}" for k in value.keys
+                         if isinstance(k, ast.Constant))
     return names
 
 
@@ -31,8 +44,9 @@ def test_the_four_guides_exist_and_the_readme_links_them() -> None:
 
 
 def test_every_connector_metric_is_in_the_reference() -> None:
-    source = (ROOT / "src/kvstage/integrations/vllm/stats.py").read_text()
-    names = metric_names(source)
+    names: set[str] = set()
+    for path in (ROOT / "src/kvstage/integrations/vllm").rglob("stats.py"):
+        names |= metric_names(path.read_text())
     assert "vllm:kvstage_h2d_bytes" in names and len(names) >= 8, names
     doc = (ROOT / "docs" / "connector.md").read_text()
     missing = sorted(n for n in names if f"`{n}" not in doc)

@@ -10,15 +10,22 @@ only touched with ``--device cuda``.
 from __future__ import annotations
 
 import argparse
+import json
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvstage.bench.copy_bench import Bench
 from kvstage.bench.copy_cases import build_cases, case_sizes
-from kvstage.bench.copy_counts import count_ops, measure_memory, print_count_tables
+from kvstage.bench.copy_counts import (
+    count_ops,
+    measure_memory,
+    plot_op_counts,
+    print_count_tables,
+)
 from kvstage.bench.floor import DEFAULT_IDS as DEFAULT_FLOOR_IDS
 from kvstage.bench.floor import run_floor
 from kvstage.bench.report import (
@@ -98,7 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-timing", action="store_true", help="only op counts / memory")
     a("--device", choices=("cpu", "cuda"), default="cpu")
     a("--json", default=None, metavar="PATH")
-    a("--plot", default=None, metavar="PATH.png")
+    a("--plot", default=None, metavar="PATH.png",
+      help="latency against group count; with --op-counts --no-timing: ops per request")
+    a("--replot", default=None, metavar="PATH.json",
+      help="draw --plot from a --json file this bench wrote, measuring nothing")
     a("--markdown", action="store_true", help="print tables as GitHub markdown")
     a("--quick", action="store_true", help="a few seconds: CI smoke and demo")
     a("--seed", type=number(int, "--seed", inclusive=True), default=0)
@@ -220,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         args.warmup = (2 if args.quick else 200) if args.warmup is None else args.warmup
         torch.set_num_threads(args.threads or 1)
         return run_floor(args)
+    if args.replot:
+        return _replot(args)
     _resolve(args)
     # --quick pins one thread: with the cores oversubscribed, torch's OpenMP barriers can
     # stall an op for milliseconds (measured: 8 ms per index op with 2 threads, load 3)
@@ -253,9 +265,33 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and timings:
         _plot(args, timings)
         print(f"wrote {args.plot}")
+    elif args.plot and ops:
+        plot_op_counts(args.plot, ops)
+        print(f"wrote {args.plot}")
     bad = [r for r in timings if r["verified"] is False]
     bad += [r for r in ops if r["matches_expected"] is False or r["agree"] is False]
     return 1 if bad else 0
+
+
+def _replot(args: argparse.Namespace) -> int:
+    """``--replot JSON --plot PNG``: the figure of a saved run (its config decides which)."""
+    if not args.plot or not args.plot.endswith(".png"):
+        args._parser.error("--replot needs --plot PATH.png")
+    try:
+        saved = json.loads(Path(args.replot).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        args._parser.error(f"--replot {args.replot!r}: not a readable JSON file ({exc})")
+    config = saved.get("config", {})
+    if saved.get("timings"):
+        for key in ("preset", "device", "ids"):
+            setattr(args, key, config.get(key, getattr(args, key)))
+        _plot(args, saved["timings"])
+    elif saved.get("op_counts"):
+        plot_op_counts(args.plot, saved["op_counts"])
+    else:
+        args._parser.error(f"--replot {args.replot!r} has neither timings nor op counts")
+    print(f"wrote {args.plot}")
+    return 0
 
 
 def _plot(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

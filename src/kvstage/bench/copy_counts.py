@@ -12,6 +12,7 @@ from kvstage.bench.report import (
     cuda_peak_bytes,
     format_bytes,
     pivot,
+    plot_lines,
     print_table,
     profiler_counts,
 )
@@ -152,3 +153,22 @@ def print_count_tables(args: argparse.Namespace, ops: list[dict[str, Any]],
             print_table(pivot(memory, ("case", "direction"), "strategy",
                                lambda r: r["cuda_peak_bytes"]), cuda_cols, markdown=md,
                         title="Peak CUDA allocator bytes per request (max_memory_allocated)")
+
+
+def plot_op_counts(path: str, rows: list[dict[str, Any]], *, title: str = "") -> None:
+    """Data ops per request (OpCounter: copies and index ops) against the number of KV
+    cache groups, one line per strategy, one panel per layer count; d2h (h2d is the same).
+    ``rows``: `count_ops`' rows, as ``kvstage bench copy --op-counts --json`` saves them."""
+    panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
+    points: dict[tuple[int, str], dict[int, int]] = {}
+    for r in rows:
+        if r["op"] == "data ops" and r["direction"] == "d2h":
+            points.setdefault((r["num_layers"], r["strategy"]), {})[r["groups"]] = r["opcounter"]
+    names = {"per_group": "vLLM before PR #54483 (per group, per layer)",
+             "coalesced": "vLLM after PR #54483 (per layer)", "fused": "kvstage (fused)"}
+    for (layers, strategy), by_groups in sorted(points.items()):
+        xs = sorted(by_groups)
+        panels.setdefault(f"{layers} layers", {})[names.get(strategy, strategy)] = (
+            [float(x) for x in xs], [float(by_groups[x]) for x in xs])
+    plot_lines(path, panels, xlabel="KV cache groups", ylabel="device ops per request",
+               title=title or "copy ops per request (contiguous ids, d2h)", logy=True)
