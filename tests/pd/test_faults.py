@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 import kvstage as ks
-from kvstage.errors import HandshakeTimeout, TransportFailure
+from kvstage.errors import HandshakeTimeout
 from kvstage.pd import messages as m
 from kvstage.pd.decode import READ_FAILED, DecodeWorker
 from kvstage.testing.pattern import verify_request
@@ -312,7 +312,7 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
     with serving(lease_s=2.0, port=addr[1]) as second:
         assert second.address == addr
         outcomes = []
-        for i in range(3):  # the first READ may still go to the dead agent, then recover
+        for i in range(3):  # the Lease names the new engine: handshaken again, no READ lost
             rid = f"after{i}"
             d = prefill_request(addr, rid, seed=i + 10)
             r = finish_read(decode, decode.start(rid, addr, d.block_ids,
@@ -321,9 +321,7 @@ def test_prefill_gone_then_restarted_on_the_same_port(decode: DecodeWorker) -> N
             if r.ok:
                 assert verify_request(decode.cache, r.local_block_ids, i + 10) == []
                 decode.finish(rid)
-            else:
-                assert r.code == TransportFailure.code and "was closed" in r.reason
-        assert outcomes[1:] == ["done", "done"], outcomes
+        assert outcomes == ["done", "done", "done"], outcomes
         assert_decode_clean(decode)
         s = wait_prefill_free(addr, timeout_s=10)
         assert s.completed == outcomes.count("done")

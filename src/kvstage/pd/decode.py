@@ -197,6 +197,10 @@ class DecodeWorker:
                 raise ProtocolMismatch(
                     f"unexpected answer to Acquire: {type(lease).__name__}"
                 )
+            if lease.engine_id and lease.engine_id != remote.engine_id:
+                # the prefill restarted on this address: its agent and buffer are new
+                self._forget((remote_addr[0], remote_addr[1]))
+                remote = self.connect(*remote_addr)
             if self.verify_checksum and not lease.checksums:
                 self.release_remote(remote_addr, remote_rid, capability)
                 return self._fail(result, "prefill sent no checksums: start it with "

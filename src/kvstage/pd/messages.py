@@ -115,6 +115,9 @@ class Lease(Message, tag="lease"):
     request_id: str
     remaining_s: float
     checksums: list[list[int]] = msgspec.field(default_factory=list)  # as PrefillDone's
+    #: the answering prefill's engine id: another than the handshake's means the prefill
+    #: restarted on the same address (a new NIXL agent): the decode handshakes again
+    engine_id: str = ""
 
 
 class Stats(Message, tag="stats"):

@@ -318,6 +318,7 @@ class PrefillWorker:
             # the bound on the total hold
             req.deadline = lease.deadline(now, self.lease_s, req.hold_until)
             return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now,
+                           engine_id=self.engine_id,
                            checksums=self._checksums(req))
         if isinstance(msg, m.Release):
             self._authorized(msg.request_id, msg.capability)
