@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from vllm import envs
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
@@ -98,6 +99,8 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.step_meta: StepMeta | None = None  # the step's, between bind and clear
         self.kvstage_config = config = KVStageConfig.from_vllm(vllm_config,
                                                                checksum_any_tp=True)
         _refuse_setup(vllm_config, kv_cache_config)
@@ -167,15 +170,23 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None, "a worker hook called on the scheduler side"
         return self.worker_side
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMeta), type(connector_metadata)
+        self.step_meta = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.step_meta = None
+
     def _meta(self) -> StepMeta:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, StepMeta), type(meta)
-        return meta
+        assert self.step_meta is not None, "a step hook called outside a step"
+        return self.step_meta
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        config = self._kv_cache_config
+        config = self.kv_cache_config
         groups = [(list(g.layer_names), g.kv_cache_spec) for g in config.kv_cache_groups]
-        model = str(self._vllm_config.model_config.model)
+        model = str(self.vllm_config.model_config.model)
         cache = self._worker().register(kv_caches, groups, int(config.num_blocks), model)
         logger.info("kvstage: rank %d: %d layer names over %d physical tensors, host buffer "
                     "%d bytes (block-major), side channel %s:%d", self._worker().rank,

@@ -34,6 +34,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
@@ -87,7 +88,7 @@ class KVStageStats(KVConnectorStats):
             self.data.setdefault(key, [])
 
     def reset(self) -> None:
-        self.data = {key: [] for key in KEYS}
+        self.data: dict[str, list[Any]] = {key: [] for key in KEYS}
 
     def add(self, **values: Any) -> None:
         for key, value in values.items():
@@ -127,24 +128,26 @@ class KVStagePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        # vLLM hands the metric classes to use, keyed by prometheus_client's
+        counter_cls, histogram_cls = metric_types[Counter], metric_types[Histogram]
         self.metrics: dict[str, tuple[str, str, Any]] = {}
         for name, (key, kind, doc) in METRICS.items():
             if kind == "histogram":
-                metric = self._histogram_cls(name=f"vllm:kvstage_{name}", documentation=doc,
+                metric = histogram_cls(name=f"vllm:kvstage_{name}", documentation=doc,
                                              buckets=BUCKETS, labelnames=labelnames)
             else:
-                metric = self._counter_cls(name=f"vllm:kvstage_{name}", documentation=doc,
+                metric = counter_cls(name=f"vllm:kvstage_{name}", documentation=doc,
                                            labelnames=labelnames)
             self.metrics[name] = (key, kind,
                                   create_metric_per_engine(metric, per_engine_labelvalues))
-        self.hook_seconds = self._counter_cls(
+        self.hook_seconds = counter_cls(
             name="vllm:kvstage_hook_seconds", labelnames=[*labelnames, "hook"],
             documentation="Wall seconds the connector spent in each vLLM hook "
                           "(kvstage_time_hooks; hook: scheduler.<name> or worker.<name>).")
-        self.hook_calls = self._counter_cls(
+        self.hook_calls = counter_cls(
             name="vllm:kvstage_hook_calls", labelnames=[*labelnames, "hook"],
             documentation="Calls vLLM made to each connector hook (kvstage_time_hooks).")
-        self.quiet_steps = self._counter_cls(
+        self.quiet_steps = counter_cls(
             name="vllm:kvstage_quiet_steps", labelnames=[*labelnames, "side"],
             documentation="Engine steps in which the connector had nothing to do "
                           "(side: scheduler or worker).")

@@ -17,8 +17,9 @@ its own block-major host buffer of this rank's shard (host bytes = the rank's de
   CPU), then the holds (every save of the request waited for, its lease started with the
   capability the scheduler hands out) and the releases.
 - ``load(meta)`` (vLLM's ``start_load_kv``): one READ per request into the local ids vLLM
-  allocated, h2d pipelined behind it (`kvstage.pd.pipeline`); ``forgets`` release the
-  remote blocks a request will not read.
+  allocated, h2d pipelined behind it (`kvstage.pd.pipeline`), started off the step thread
+  (`loads.Loads`: a prefill that does not answer never holds a step); ``forgets`` release
+  the remote blocks a request will not read; ``fails`` end loads the scheduler refused.
 - ``results(finished)`` (vLLM's ``get_transfer_results``): READs that ended (a failed one is
   in ``failed_recving`` too: vLLM's ``kv_load_failure_policy`` applies) and requests every
   prefill role let go (the decode's notification, a Release or the lease), each reported
@@ -28,7 +29,8 @@ Threads: vLLM's worker thread calls every method; the prefill role's side channe
 NIXL notifications and its leases are served by one daemon thread (`_Serving`), every call
 into the role under one lock (pd/'s roles are single-threaded). The thread waits on the
 side channel's socket (100 ms idle, 2 ms while requests are held), so an idle instance
-costs a few wake-ups a second.
+costs a few wake-ups a second. The decode role has its own starter thread (`loads`),
+blocked on its queue when idle.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ from typing import Any
 import torch
 
 from kvstage.cache import KVCache, layout_from_layers
-from kvstage.errors import KVStageError
 from kvstage.integrations.vllm.copies import kvstage_groups, page_rows
-from kvstage.integrations.vllm.native.metadata import Load, Remote, StepMeta
-from kvstage.integrations.vllm.native.stats import LOG_PREFIX, KVStageStats
+from kvstage.integrations.vllm.native.loads import Loads
+from kvstage.integrations.vllm.native.metadata import StepMeta
+from kvstage.integrations.vllm.native.stats import KVStageStats
 from kvstage.layout import DTYPES, storage_dtype
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
@@ -91,15 +93,13 @@ class WorkerSide:
         self.log = logger
         self.lock = threading.Lock()
         self.prefill: PrefillWorker | None = None
-        self.decode: DecodeWorker | None = None
         self.serving: _Serving | None = None
         self.held: set[str] = set()  # prefill: held here, not yet reported freed
         self.freed: set[str] = set()  # prefill: let go, to report once vLLM finished them
         self.finished: set[str] = set()  # prefill: held requests vLLM said finished
         self.released: set[str] = set()  # prefill: released on vLLM's word (not reported)
-        self.recv_done: set[str] = set()  # decode: READs over (or refused)
-        self.recv_failed: set[str] = set()
-        self.peers: set[tuple[str, int]] = set()  # decode: prefill ranks handshaken with
+        self.refused: set[str] = set()  # loads sent to a producer-only instance
+        self.loads: Loads | None = None
         self.stats = KVStageStats()
         self.log_reads = log_reads
         self.saved: dict[str, list[float]] = {}  # prefill: rid -> [blocks, seconds] so far
@@ -131,11 +131,13 @@ class WorkerSide:
         if self.consumer:
             transport = NixlTransport(f"kvstage-d-{self.engine_id}-{self.rank}",
                                       progress_delay_us=self.progress_delay_us)
-            self.decode = DecodeWorker(
+            role = DecodeWorker(
                 cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
                 verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
                 handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
                 read_timeout_s=min(READ_TIMEOUT_CAP_S, self.lease_s / 2))
+            self.loads = Loads(role, rank=self.rank, tp_size=self.tp_size, key=self.key,
+                               log=self.log, log_reads=self.log_reads)
         return cache
 
     # -- prefill -------------------------------------------------------------------------
@@ -186,84 +188,30 @@ class WorkerSide:
 
     # -- decode --------------------------------------------------------------------------
     def load(self, meta: StepMeta) -> None:
-        role = self.decode
-        if role is None:
+        loads = self.loads
+        if loads is None:
             if meta.loads or meta.fails:  # a producer-only instance was sent a decode request
                 rids = set(meta.loads) | set(meta.fails)
                 self.log.error("kvstage: requests %s carry do_remote_prefill but this instance "
                                "is kv_producer: start it as kv_consumer or kv_both",
                                sorted(rids)[:4])
-                self.recv_done.update(rids)
-                self.recv_failed.update(rids)
+                self.refused |= rids
             return
         for rid, why in meta.fails.items():
-            self._fail(rid, why)
+            loads.fail(rid, why)
         for remote in meta.forgets.values():
-            role.release_remote(self._address(remote), remote.request_id, remote.capability)
+            loads.forget(remote)
         for rid, load in meta.loads.items():
-            self._start(role, rid, load)
-
-    def _address(self, remote: Remote) -> tuple[str, int]:
-        return remote.host, remote.port + self.rank
-
-    def _start(self, role: DecodeWorker, rid: str, load: Load) -> None:
-        remote = load.remote
-        if remote.tp_size != self.tp_size:
-            self._fail(rid, f"the prefill runs at tensor-parallel size {remote.tp_size}, this "
-                            f"decode at {self.tp_size}: serve both at the same size")
-            return
-        try:
-            result = role.start(rid, self._address(remote), load.remote_block_ids,
-                                load.local_block_ids, remote_request_id=remote.request_id,
-                                capability=remote.capability)
-        except (KVStageError, ValueError, TypeError) as e:
-            self._fail(rid, f"{type(e).__name__}: {e}")
-            return
-        if result.status == "failed":
-            self._fail(rid, f"{result.code}: {result.reason}")
-            return
-        if result.status == "done":
-            self.recv_done.add(rid)
-        address = self._address(remote)
-        if address not in self.peers:
-            self.peers.add(address)
-            self.log.info("kvstage: rank %d: handshake with prefill %s rank %d at %s:%d passed "
-                          "(kvstage's side channel%s)", self.rank, remote.engine_id, self.rank,
-                          *address, ", sealed with the key" if self.key else "")
-
-    def _fail(self, rid: str, why: str) -> None:
-        self.log.error("kvstage: request %s: its KV load failed on rank %d: %s", rid,
-                       self.rank, why)
-        self.recv_done.add(rid)
-        self.recv_failed.add(rid)
-        self.stats.add(read_failures=1)
-
-    def _record_load(self, r: Any) -> None:
-        """A finished READ and h2d (`kvstage.pd.reads.RequestResult`) into the stats."""
-        if not r.nbytes:
-            return  # nothing was read (every id local already)
-        blocks = sum(len(g) for g in r.local_block_ids)
-        self.stats.add(h2d_blocks=blocks, h2d_bytes=r.nbytes, h2d_seconds=r.decode_s,
-                       read_bytes=r.nbytes, read_seconds=r.read_s,
-                       read_descriptors=r.num_descriptors)
-        if self.log_reads:
-            self.log.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d", LOG_PREFIX,
-                          r.nbytes, round(r.read_s * 1e6), 0, r.num_descriptors)
-
-    def take_stats(self) -> KVStageStats | None:
-        """The figures since the last call (then reset), or None when there are none."""
-        if self.stats.is_empty():
-            return None
-        out, self.stats = self.stats, KVStageStats()
-        return out
+            loads.start(rid, load)
 
     # -- results -------------------------------------------------------------------------
     def results(self, finished: set[str], meta: StepMeta | None = None
                 ) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) of this step; a step with
         nothing to do (``meta`` empty, nothing held, read or reported) counts as quiet."""
-        if (meta is not None and meta.empty and not (self.held or self.freed or self.recv_done)
-                and not (self.decode is not None and self.decode.num_pending)):
+        loads = self.loads
+        if (meta is not None and meta.empty and not (self.held or self.freed or self.refused)
+                and not (loads is not None and loads.busy)):
             self.quiet_steps += 1
             return set(), set(), set()
         sending: set[str] = set()
@@ -274,23 +222,28 @@ class WorkerSide:
                 self.freed -= sending
                 self.finished -= sending
                 self.held -= sending
-        if self.decode is not None and self.decode.num_pending:
-            for r in self.decode.poll():
-                if r.status == "done":
-                    self.recv_done.add(r.request_id)
-                    self._record_load(r)
-                else:
-                    self._fail(r.request_id, f"{r.code}: {r.reason}")
-        done, self.recv_done = self.recv_done, set()
-        failed, self.recv_failed = self.recv_failed, set()
+        done, failed = set(self.refused), set(self.refused)
+        self.refused.clear()
+        if loads is not None:
+            loads.poll()
+            got, lost = loads.take()
+            done |= got
+            failed |= lost
         return sending, done, failed
+
+    def take_stats(self) -> KVStageStats | None:
+        """The figures since the last call (then reset), or None when there are none."""
+        out, self.stats = self.stats, KVStageStats()
+        if self.loads is not None:
+            out.aggregate(self.loads.take_stats())
+        return None if out.is_empty() else out
 
     def close(self) -> None:
         if self.serving is not None:
             self.serving.stopping.set()
             self.serving.join(timeout=2.0)
+        if self.loads is not None:
+            self.loads.close()
         with self.lock:
             if self.prefill is not None:
                 self.prefill.close()
-            if self.decode is not None:
-                self.decode.close()
