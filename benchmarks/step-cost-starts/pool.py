@@ -1,6 +1,7 @@
 """Per-start ratios of the `bench.step_cost` runs in this folder, pooled over the starts
-(`bench.ab_stats.across_starts`: geometric mean and 95 % Student-t interval). One-off for
-BENCHMARKS "Over ten starts" and "Idle connector steps"; run from the checkout's root:
+(`bench.ab_stats.across_starts`: geometric mean and 95 % Student-t interval), for
+BENCHMARKS.md "What does the connector cost against plain vLLM?"; run from the checkout's
+root:
 
     PYTHONPATH=. .venv/bin/python benchmarks/step-cost-starts/pool.py
 """
