@@ -1,5 +1,5 @@
 """NIXL progress thread settings of the prefill: idle CPU, READ bandwidth and small-READ
-latency (BENCHMARKS.md "Idle CPU").
+latency (BENCHMARKS.md "What do idle instances cost?").
 
 Three prefill children on 127.0.0.1 whose agents differ only in the progress thread:
 ``busy`` (NIXL's own ``pthrDelay = 0``), ``sleep`` (kvstage's default delay) and ``off``

@@ -193,7 +193,7 @@ class GroupedBlockIds:
 
 
 # Up to this many ids, ``set`` + ``sorted`` over Python ints beat numpy's per-call costs;
-# above it numpy's sort wins (BENCHMARKS.md, "Per-request floor").
+# above it numpy's sort wins (BENCHMARKS.md, "What does each request cost beyond its bytes?").
 SMALL_IDS = 256
 
 

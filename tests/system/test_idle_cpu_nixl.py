@@ -83,7 +83,7 @@ def test_idle_prefill_cli_uses_a_small_share_of_a_core() -> None:
         share = idle_share(proc.pid, IDLE_S)
         # a spinning progress thread costs ~1.0 (0.4 on a saturated 2-core VM); sleeping
         # ~0.02. The bound leaves room for a loaded CI machine; the <= 0.05 target is
-        # measured in BENCHMARKS.md "Idle CPU"
+        # measured in BENCHMARKS.md "What do idle instances cost?"
         print(f"idle share {share:.3f}")
         assert share < 0.2, f"idle prefill used {share:.0%} of a core"
     finally:

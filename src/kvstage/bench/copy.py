@@ -234,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
         return _replot(args)
     _resolve(args)
     # --quick pins one thread: with the cores oversubscribed, torch's OpenMP barriers can
-    # stall an op for milliseconds (measured: 8 ms per index op with 2 threads, load 3)
+    # stall a single op for milliseconds (BENCHMARKS.md: every CPU table uses --threads 1)
     threads = args.threads or (1 if args.quick else None)
     if threads:
         torch.set_num_threads(threads)

@@ -140,7 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_integrity_argument(p)
     p.add_argument("--pipeline", action="store_true",
                    help="READ each request in chunks and load chunk k to the device while "
-                        "k+1 is in flight (kvstage.pd.pipeline; BENCHMARKS.md 'Pipelining')")
+                        "k+1 is in flight (kvstage.pd.pipeline; BENCHMARKS.md 'Does "
+                        "pipelining hide the copies?')")
 
 
 def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:

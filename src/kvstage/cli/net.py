@@ -31,7 +31,8 @@ def probe(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """TCP-connect to the side channel once, so refused and unreachable read differently."""
     where = f"{host}:{port}"
     fix = (f"check the address, that `kvstage prefill --listen {where}` runs there, and that "
-           f"port {port}/tcp (and UCX's ports, README 'Across machines') is open between hosts")
+           f"port {port}/tcp (and UCX's ports, docs/deploy.md 'Ports to open') is open between "
+           "hosts")
     try:
         with socket.create_connection((host, port), timeout=timeout_s):
             return

@@ -15,7 +15,7 @@ Wire: the CLI's messages carry one digest list per group aligned with the block 
 `mismatches` over the pairs `kvstage.pd.reads.pair_blocks` makes, and `describe` words it.
 
 Hash: xxHash3-64 (``xxhash`` package, extra ``integrity``). crc32c was as fast on 2 MiB
-rows and slower on small ones (BENCHMARKS.md "Integrity"), and 64 bits make an
+rows and slower on small ones (BENCHMARKS.md "What does the checksum cost?"), and 64 bits make an
 undetected corruption of a block ~2**-64 instead of 2**-32. The one import of xxhash.
 
 A block is hashed over its bytes in host order: the block-major row (one range), or,

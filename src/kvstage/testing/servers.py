@@ -53,7 +53,7 @@ def make_prefill(
     its progress thread, which sleeps while idle (`kvstage.transport.nixl_agent`).
     Without a thread (``transport_options={"progress_thread": False}``, where
     `PrefillWorker.serve_once` drives UCX) the CLI prefill died with SIGSEGV after a
-    SIGTERMed decode peer in about half the netns runs (BENCHMARKS.md "Idle CPU")."""
+    SIGTERMed decode peer in netns runs (RELIABILITY.md "What is not covered")."""
     cache = KVCache(layout, device)
     pool = BlockPool(layout.num_blocks)
     eid = engine_id or f"prefill-{os.urandom(4).hex()}"

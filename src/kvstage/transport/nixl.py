@@ -9,7 +9,7 @@ cma`` (the bytes move by CMA; tcp is needed for UCX's peer-failure detection) an
 ``UCX_NET_DEVICES=lo``. Across hosts the role commands choose with
 `kvstage.transport.ucx_env` (tcp on the interface that carries the address). Why each
 setting, and what was measured with it (bandwidth, failure latency, the link-cut
-behaviour), is in BENCHMARKS.md and README "Across machines".
+behaviour): BENCHMARKS.md "How fast is the READ?" and docs/deploy.md "UCX".
 
 Contract: ``read`` may complete inside the call (CMA) or later (``poll``); a READ outside
 the peer's registered memory fails in ``read``; a dead peer surfaces as a
@@ -85,9 +85,8 @@ class NixlTransport(ClosingContext):
 
     ``num_threads`` > 0 gives the UCX backend a thread pool that splits a descriptor
     list across threads (vLLM uses 4); 0 posts everything from the calling thread.
-    Default 2, measured on a 2-core host (64 MiB READ, median GB/s over 3 runs each):
-    32 KiB descriptors 2.1-4.3 with 2 threads vs 1.2-2.4 with 0; 4 KiB 0.8-1.2 vs
-    0.4-0.7; 4 threads was worse than 2. ``ucx_env`` None means ``default_ucx_env()``;
+    Default 2 (the fastest of 0, 2 and 4 where it was measured: BENCHMARKS.md "How fast
+    is the READ?"). ``ucx_env`` None means ``default_ucx_env()``;
     ``{}`` sets nothing. ``backend_params`` are passed to ``create_backend`` (e.g.
     ``{"ucx_error_handling_mode": "none"}``; see the module doc for why not).
     ``progress_delay_us``: the NIXL progress thread waits on UCX's event fd for up to

@@ -2,13 +2,14 @@
 
 nixl-cu12 1.5.1's ``nixl_agent.__init__`` builds the C++ ``nixlAgentConfig`` itself and
 writes ``pthrDelay = 0`` into it. The C++ progress thread waits on UCX's event fd with
-that delay as its timeout, so 0 is a busy loop (an idle agent burns a whole core,
-measured 97.7-99.99 %), while any delay >= 1 ms lets it sleep when idle and still wake
+that delay as its timeout, so 0 is a busy loop (an idle agent burns a whole core),
+while any delay >= 1 ms lets it sleep when idle and still wake
 on traffic. Only the Python wrapper offers no way to pass one. `create_agent` passes
 one: while the wrapper runs, the ``nixlBind`` it reads sees a config subclass whose
 ``pthrDelay`` keeps our value whatever the wrapper writes. Everything else the wrapper
 does (backends, bookkeeping) is unchanged, so a later NIXL that exposes the delay needs
-only this module changed. Measured cost and effect: BENCHMARKS.md "Idle CPU".
+only this module changed. Measured cost and effect: BENCHMARKS.md "What do idle
+instances cost?".
 
 `progress_delay` is the same as a context manager, for agents others create: kvstage's
 vLLM connector wraps vLLM's NIXL worker construction in it.
@@ -29,8 +30,8 @@ __all__ = [
     "progress_delay",
 ]
 
-# 1 ms: idle agent 2-3 % of a core instead of 100 %, READ bandwidth unchanged
-# (BENCHMARKS.md "Idle CPU").
+# 1 ms: the shortest delay NIXL honours (it rounds a timeout up to 1 ms); traffic still
+# wakes the thread at once (figures: BENCHMARKS.md "What do idle instances cost?").
 DEFAULT_PROGRESS_DELAY_US = 1000
 MAX_PROGRESS_DELAY_US = 100_000
 
