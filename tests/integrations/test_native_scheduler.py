@@ -70,11 +70,12 @@ def test_parse_remote_names_a_missing_field() -> None:
     assert isinstance(why, str) and "remote_host" in why
 
 
-def _side(specs: list[Any]) -> SchedulerSide:
+def _side(specs: list[Any], clock: Any = None) -> SchedulerSide:
     config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2))
     return SchedulerSide(vllm_config, config, engine_id="e1", key=None,  # type: ignore[arg-type]
-                         host="127.0.0.1", port=5600, save_by_chunk=True)
+                         host="127.0.0.1", port=5600, save_by_chunk=True, lease_s=30.0,
+                         **({"clock": clock} if clock else {}))
 
 
 def _spec(kind: str, **fields: Any) -> Any:
@@ -105,3 +106,25 @@ def test_step_metadata_pickles_small_and_whole() -> None:
     meta = StepMeta(saves={"a": [[1, 2]]}, holds={"a": CAP}, releases={"b"},
                     loads={"c": Load(Remote("h", 1, 1, "e", "c", CAP), [[1]], [[2]])})
     assert pickle.loads(pickle.dumps(meta)) == meta and not meta.empty
+
+
+def test_a_waiting_decode_request_renews_its_lease_every_third_of_it() -> None:
+    now = [100.0]
+    side = _side([_spec("FullAttentionSpec", block_size=16)] * 2, clock=lambda: now[0])
+    request = SimpleNamespace(request_id="d1", kv_transfer_params=params())
+    side.on_new_request(request)  # type: ignore[arg-type]
+    out = SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(
+        req_ids=[], new_block_ids=[], resumed_req_ids=set()), num_scheduled_tokens={})
+    beats = []
+    for t in (105.0, 109.9, 110.0, 115.0, 120.0, 125.0):
+        now[0] = t
+        beats.append(sorted(side.build(out).heartbeats))  # type: ignore[arg-type]
+    assert beats == [[], [], ["d1"], [], ["d1"], []]
+    assert side.build(out).heartbeats == {}  # type: ignore[arg-type]
+    # once allocated (its READ starts) or finished, no more renewals
+    side.waiting.clear()
+    side.on_new_request(request)  # type: ignore[arg-type]
+    side.request_finished(request, ([], []))  # type: ignore[arg-type]
+    now[0] = 200.0
+    assert side.build(out).heartbeats == {}  # type: ignore[arg-type]
+    assert StepMeta(heartbeats={"d1": Remote("h", 1, 1, "e", "r", CAP)}).empty is False

@@ -118,7 +118,8 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler_side = SchedulerSide(
                 vllm_config, kv_cache_config, engine_id=kv.engine_id, key=security.key,
-                host=host, port=base_port, save_by_chunk=config.save_by_chunk)
+                host=host, port=base_port, save_by_chunk=config.save_by_chunk,
+                lease_s=config.lease_duration_s)
         elif role == KVConnectorRole.WORKER:
             rank = get_tensor_model_parallel_rank()
             self.worker_side = WorkerSide(

@@ -28,12 +28,14 @@ from __future__ import annotations
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvstage.errors import KVStageError
 from kvstage.integrations.vllm.native.metadata import Load, Remote
 from kvstage.integrations.vllm.native.stats import LOG_PREFIX, KVStageStats
+from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.reads import RequestResult
 
@@ -54,7 +56,8 @@ class Loads:
         self.stats = KVStageStats()
         self.peers: set[tuple[str, int]] = set()  # prefill ranks handshaken with
         self.queued = 0  # starts and releases not yet run
-        self.work: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self.work: queue.SimpleQueue[tuple[Callable[[], None], str] | None] = (
+            queue.SimpleQueue())
         self.thread = threading.Thread(target=self._run, name="kvstage-decode-start",
                                        daemon=True)
         self.thread.start()
@@ -66,13 +69,26 @@ class Loads:
             self.fail(rid, f"the prefill runs at tensor-parallel size {remote.tp_size}, this "
                            f"decode at {self.tp_size}: serve both at the same size")
             return
-        self._queue(lambda: self._start(rid, load))
+        self._queue(lambda: self._start(rid, load), f"the start of request {rid}")
 
     def forget(self, remote: Remote) -> None:
         """Ask the prefill to release a request this decode will not read."""
         addr = self.address(remote)
         self._queue(lambda: self.role.release_remote(addr, remote.request_id,
-                                                     remote.capability))
+                                                     remote.capability),
+                    f"the release of {remote.request_id}")
+
+    def heartbeat(self, rid: str, remote: Remote) -> None:
+        """Renew the prefill's lease on a request still waiting here (kvstage's Acquire)."""
+        addr = self.address(remote)
+
+        def renew() -> None:
+            reply = self.role.client(*addr).call(
+                m.Acquire(request_id=remote.request_id, capability=remote.capability))
+            if not isinstance(reply, m.Lease):
+                raise KVStageError(f"unexpected answer to a heartbeat: {type(reply).__name__}")
+
+        self._queue(renew, f"the heartbeat of request {rid}")
 
     def address(self, remote: Remote) -> tuple[str, int]:
         return remote.host, remote.port + self.rank
@@ -123,17 +139,19 @@ class Loads:
             self.role.close()
 
     # -- the starter thread ---------------------------------------------------------------------
-    def _queue(self, job: Callable[[], None]) -> None:
+    def _queue(self, job: Callable[[], None], what: str = "") -> None:
         with self.mutex:
             self.queued += 1
-        self.work.put(job)
+        self.work.put((job, what))
 
     def _run(self) -> None:
-        while (job := self.work.get()) is not None:
+        while (item := self.work.get()) is not None:
+            job, what = item
             try:
                 job()
-            except Exception as e:  # a release that failed: the prefill's lease frees it
-                self.log.warning("kvstage: rank %d: %s: %s", self.rank, type(e).__name__, e)
+            except Exception as e:  # a release or heartbeat that failed: the lease decides
+                self.log.warning("kvstage: rank %d: %s failed: %s: %s", self.rank,
+                                 what or "a job", type(e).__name__, e)
             finally:
                 with self.mutex:
                     self.queued -= 1
@@ -150,6 +168,7 @@ class Loads:
                                f"{self.rank}) does not accept connections ({e}): is the "
                                "prefill instance up?")
                 return
+        began = time.monotonic()
         try:
             with self.lock:
                 result = self.role.start(
@@ -169,8 +188,10 @@ class Loads:
             with self.mutex:
                 self.peers.add(addr)
             self.log.info("kvstage: rank %d: handshake with prefill %s rank %d at %s:%d "
-                          "passed (kvstage's side channel%s)", self.rank, remote.engine_id,
-                          self.rank, *addr, ", sealed with the key" if self.key else "")
+                          "passed (kvstage's side channel%s; %.2f s with the first READ's "
+                          "start)", self.rank, remote.engine_id, self.rank, *addr,
+                          ", sealed with the key" if self.key else "",
+                          time.monotonic() - began)
 
     def _lost(self, addr: tuple[str, int]) -> None:
         with self.mutex:

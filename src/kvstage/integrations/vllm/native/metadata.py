@@ -16,6 +16,10 @@ step is the same step on every rank, whatever each rank's clock says. Fields:
 - ``loads``: request id -> `Load` (the decode's READ of a remote prefill into local ids).
 - ``forgets``: requests whose remote blocks the decode will not read (a full local prefix
   hit, an abort before the READ): every rank asks its prefill peer to release them.
+- ``heartbeats``: requests waiting at the decode for their READ (queued behind others,
+  no blocks free yet): every rank renews its prefill peer's lease on them (kvstage's
+  Acquire, which extends a lease up to the prefill's bound on a hold), so a request that
+  waits longer than a lease is still held when its READ starts.
 - ``fails``: request id -> why its ``kv_transfer_params`` cannot be loaded from (a prefill
   that does not run kvstage, another protocol version, malformed fields): every rank
   reports the load failed, and vLLM's ``kv_load_failure_policy`` decides (``fail`` ends
@@ -65,11 +69,12 @@ class StepMeta(KVConnectorMetadata):
     loads: dict[str, Load] = field(default_factory=dict)
     forgets: dict[str, Remote] = field(default_factory=dict)
     fails: dict[str, str] = field(default_factory=dict)  # request id -> why
+    heartbeats: dict[str, Remote] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
         return not (self.saves or self.holds or self.releases or self.loads or self.forgets
-                    or self.fails)
+                    or self.fails or self.heartbeats)
 
 
 def capability_of(key: bytes | None, engine_id: str, request_id: str) -> bytes:

@@ -24,7 +24,9 @@ Decode (``do_remote_prefill``): the prompt's tokens, less that last one for stat
 are loaded asynchronously; ``update_state_after_alloc`` turns the allocation into one
 `metadata.Load` per request (local ids as vLLM allocated them, each list clipped as the
 prefill clipped its own); a request that loads nothing (a full local prefix hit) or ends
-before its READ asks the prefill to release its blocks (``forgets``). Parameters that
+before its READ asks the prefill to release its blocks (``forgets``); one that waits for
+its READ (behind others, no free blocks) has the prefill's lease renewed every third of a
+lease (``heartbeats``). Parameters that
 cannot be loaded from (`parse_remote`: a prefill without kvstage, another protocol
 version, a malformed field) fail the load with that one line (``fails``): vLLM's
 ``kv_load_failure_policy`` decides between an error and a local recompute.
@@ -34,6 +36,8 @@ Threads: vLLM's engine-core thread calls every method. No socket, no thread here
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
@@ -106,8 +110,12 @@ class SchedulerSide:
     """The connector's scheduler side (module doc)."""
 
     def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, *, engine_id: str,
-                 key: bytes | None, host: str, port: int, save_by_chunk: bool) -> None:
+                 key: bytes | None, host: str, port: int, save_by_chunk: bool,
+                 lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine_id, self.key, self.host, self.port = engine_id, key, host, port
+        self.beat_s, self.clock = lease_s / 3, clock
+        #: decode: requests waiting for their READ -> (prefill, last renewal)
+        self.waiting: dict[str, tuple[Remote, float]] = {}
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         groups = kv_cache_config.kv_cache_groups
         specs = [g.kv_cache_spec for g in groups]
@@ -145,6 +153,11 @@ class SchedulerSide:
     # -- vLLM's scheduler hooks ---------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            parsed = parse_remote(params, self.num_groups)
+            if not isinstance(parsed, str):  # renewed while it waits (`heartbeats`)
+                self.waiting[request.request_id] = (parsed[0], self.clock())
+            return
         if not (self.backoff and params and params.get("do_remote_decode")):
             return
         if params.get("_kvstage_truncated") or request.num_prompt_tokens <= self.backoff:
@@ -180,6 +193,7 @@ class SchedulerSide:
             return
         if not params.get("do_remote_prefill"):
             return
+        self.waiting.pop(rid, None)
         params["do_remote_prefill"] = False  # one transfer per request
         parsed = parse_remote(params, self.num_groups)
         if isinstance(parsed, str):
@@ -202,6 +216,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         self.saving.pop(rid, None)
         self.saves.drop(rid)
+        self.waiting.pop(rid, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill"):  # ended before it was scheduled: free the remote
@@ -234,6 +249,12 @@ class SchedulerSide:
     def build(self, scheduler_output: SchedulerOutput) -> StepMeta:
         if self.saving:
             self._plan_saves(scheduler_output)
+        if self.waiting:
+            now = self.clock()
+            for rid, (remote, renewed) in self.waiting.items():
+                if now - renewed >= self.beat_s:
+                    self.step.heartbeats[rid] = remote
+                    self.waiting[rid] = (remote, now)
         step, self.step = self.step, StepMeta()
         if step.empty:
             self.quiet_steps += 1

@@ -201,6 +201,8 @@ class WorkerSide:
             loads.fail(rid, why)
         for remote in meta.forgets.values():
             loads.forget(remote)
+        for rid, remote in meta.heartbeats.items():
+            loads.heartbeat(rid, remote)
         for rid, load in meta.loads.items():
             loads.start(rid, load)
 
