@@ -6,7 +6,8 @@ forward the model runner's ``_get_kv_connector_output`` (bind, ``start_load_kv``
 ``wait_for_save``, ``get_transfer_results``, the load errors, the stats, the events, the
 worker meta, clear) whose ``KVConnectorOutput`` then travels to the scheduler. A connector
 that does nothing costs 2.7 % [1.7, 3.8] of a plain server's ITL on the tiny Llama over 50
-starts (BENCHMARKS "Idle connector steps"), more than kvstage's whole remaining share.
+starts (BENCHMARKS "What does the connector cost against plain vLLM?"), more than
+kvstage's whole remaining share.
 
 The change tried: before the forward, vLLM asks the connector whether the step is idle
 for it (``step_is_idle(metadata) -> bool``, with the step's metadata, before binding it;
@@ -15,8 +16,9 @@ step vLLM skips the per-layer wrapper's connector calls and the per-step hooks (
 included), and the step carries no ``KVConnectorOutput`` (None: what a server without a
 connector sends). Measured over 10 starts each, it buys nothing that a run resolves: ITL
 0.993x [0.977, 1.008] for the null connector, 1.015x [0.984, 1.047] for kvstage (BENCHMARKS
-"Idle connector steps"). Those two pieces of machinery are not where a connector's cost
-is, so the change is not proposed upstream; this module keeps the experiment repeatable.
+"What does the connector cost against plain vLLM?"). Those two pieces of machinery are
+not where a connector's cost is, so the change is not proposed upstream; this module
+keeps the experiment repeatable.
 
 `apply` makes that change in the running vLLM by replacing two module attributes (the
 wrapper's ``has_kv_transfer_group`` lookup and the mixin's ``_get_kv_connector_output``)
@@ -126,7 +128,7 @@ def idle_worker_step(worker: Any, metadata: Any) -> bool:
 class LeanKVStageConnector(KVStageConnector):
     """`KVStageConnector` on a vLLM with the change: its worker's quiet steps are idle
     ones. The connector's half lives here, not in the product, because the change did
-    not pay (BENCHMARKS "Idle connector steps")."""
+    not pay (BENCHMARKS "What does the connector cost against plain vLLM?")."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

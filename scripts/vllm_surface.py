@@ -9,7 +9,7 @@ Tooling, outside the runtime package (the connector never reads it):
   (a callable found on the class or its bases: its signature), ``"attr"`` (an instance or
   class attribute assigned somewhere in the class's bases), ``"name"`` (a module-level
   name: a class, a function's signature, or an assignment's value). Private names and
-  runtime replacements are each listed, with why, in README "The vLLM surface".
+  runtime replacements are each listed, with why, in docs/connector.md "The vLLM surface".
 - `read_surface(source)`: ``{"module:name": description}`` for every entry, where
   ``source`` maps a module name to its text (`wheel_source`: a vLLM wheel read with
   ``zipfile``; `tree_source`: an unpacked tree such as an installed ``site-packages``). Never

@@ -23,9 +23,10 @@ and the injected `Transport`, which `close` closes.
 Late bytes (quarantine): host row b IS local block b (block-major), so a READ that
 may still write must keep its blocks. Over UCX tcp a READ of a stalled peer is not
 stopped by releasing its handle, nor by ``remove_peer``: when the peer resumes, the
-rest of its bytes land (RELIABILITY.md "Late bytes"). So a request that failed while
-a READ of it was PENDING keeps its handles and its local ids in flight (`LocalIds`:
-``num_draining``, ``in_flight(b)``; pool-owned ids are not freed) until the transport
+rest of its bytes land (RELIABILITY.md "Can a late READ corrupt another request?").
+So a request that failed while a READ of it was PENDING keeps its handles and its local
+ids in flight (`LocalIds`: ``num_draining``, ``in_flight(b)``; pool-owned ids are not
+freed) until the transport
 itself reports each transfer over (DONE or FAILED from ``poll``); only then are the
 handles released and the ids let go. A peer that never resumes nor dies keeps them
 quarantined: a leak, never a corruption. The engine reuses ids it passed only once

@@ -20,7 +20,7 @@ instances: 4 vLLM workers and 2 engine cores on 2 cores) about half of the runs 
 rank's side channel or READ stall for 10-15 s (a handshake timeout, a READ timeout, or the
 lease ending meanwhile), so some loads fail; the other runs are token-exact. In one such
 run a bystander process that only sleeps 0.1 s at a time saw a 7.15 s gap at the second
-the READs timed out: the whole machine stalls, not the connector alone. README
+the READs timed out: the whole machine stalls, not the connector alone. docs/deploy.md
 "Tensor parallelism" says what is known of it.
 """
 

@@ -125,7 +125,7 @@ def _key_file(path: Path) -> Path:
 
 def _start_hosts(procs: list[subprocess.Popen[bytes]], tmp_path: Path, model: str,
                  key: Path, *extra: str) -> None:
-    """Prefill host, decode host, router (on the decode host), as README's per-host
+    """Prefill host, decode host, router (on the decode host), as docs/deploy.md's per-host
     commands; each appended to ``procs`` as it starts (the caller stops them)."""
     common = ["--model", model, "--engine-defaults", "tiny-cpu", "--key-file", str(key),
               "--device", "cpu", *extra]
