@@ -107,7 +107,7 @@ def churn_remote(bench: Bench, seed: int) -> None:
     rng = np.random.default_rng(seed)
     stats = bench.client.call(m.GetStats())
     assert isinstance(stats, m.Stats)
-    free, held = stats.free_blocks, []
+    free, held = stats.free_blocks, list[str]()
     while True:
         t = int(rng.integers(CHURN_TOKENS[0], CHURN_TOKENS[1] + 1))
         need = sum(request_blocks(bench.layout, t))
@@ -219,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         serve_stream(args.serve_stream)
         return 0
     args.transport, args.ucx_tls, args.ucx_net_devices = "nixl", None, None
+    args.ucx_tcp_seg_size = None
     args.key_file, args.insecure = None, False
     print(json.dumps(measure(args)))
     return 0

@@ -203,6 +203,7 @@ def _serve(args: argparse.Namespace) -> int:
             "--num-blocks", str(args.num_blocks), "--host-layout", HostLayout.BLOCK_MAJOR.value,
             "--device", "cpu", "--transport", "nixl"]
     for flag, value in (("--ucx-tls", args.ucx_tls), ("--ucx-net-devices", args.ucx_net_devices),
+                        ("--ucx-tcp-seg-size", args.ucx_tcp_seg_size),
                         ("--key-file", args.key_file)):
         if value:
             argv += [flag, value]

@@ -4,6 +4,7 @@ the two-"host" runs are in test_netns.py."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
 import threading
@@ -30,10 +31,14 @@ def test_loopback_keeps_the_same_host_settings() -> None:
         assert c.env == {"UCX_TLS": "tcp,sm,self,cma", "UCX_NET_DEVICES": "lo"}, host
 
 
+SEGS = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+
+
 @pytest.mark.timeout(10)
 def test_wildcard_is_tcp_on_every_device() -> None:
-    c = ucx_env.choose("0.0.0.0", environ={})
-    assert c.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
+    for host in ("0.0.0.0", "::"):
+        c = ucx_env.choose(host, environ={})
+        assert c.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", **SEGS}, host
 
 
 @pytest.mark.timeout(10)
@@ -46,10 +51,57 @@ def test_other_addresses_get_tcp_on_the_interface_that_carries_them(
     owned = ucx_env.choose("10.9.0.5", environ={})  # prefill --listen on its own address
     routed = ucx_env.choose("10.9.0.77", environ={})  # decode --connect to a peer
     for c in (owned, routed):
-        assert c.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth7"}
+        assert c.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth7", **SEGS}
     assert "eth7 carries 10.9.0.77" in routed.describe()
+    assert "UCX_TCP_TX_SEG_SIZE=256k (auto: 10.9.0.77 is not loopback)" in routed.describe()
     monkeypatch.setattr(ucx_env, "_route_source", lambda ip: None)  # no route
-    assert ucx_env.choose("10.8.0.1", environ={}).env["UCX_NET_DEVICES"] == "all"
+    assert ucx_env.choose("10.8.0.1", environ={}).env == {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", **SEGS}
+
+
+@pytest.mark.timeout(10)
+def test_tcp_segments_environment_then_flag_then_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ucx_env, "interface_for", lambda host: "eth7")
+    flag = ucx_env.choose("10.9.0.77", tcp_seg_size="1m", environ={})
+    assert flag.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth7",
+                        "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+    assert flag.why["UCX_TCP_RX_SEG_SIZE"] == "--ucx-tcp-seg-size"
+    # UCX's own default kept for TX because the user set it; RX still from the flag
+    env = {"UCX_TCP_TX_SEG_SIZE": "8k"}
+    mixed = ucx_env.choose("10.9.0.77", tcp_seg_size="1m", environ=env)
+    assert mixed.env["UCX_TCP_TX_SEG_SIZE"] == "8k" and mixed.env["UCX_TCP_RX_SEG_SIZE"] == "1m"
+    assert mixed.why["UCX_TCP_TX_SEG_SIZE"] == "from the environment"
+    # on loopback nothing is tuned unless asked: the bytes move by CMA
+    assert ucx_env.choose("127.0.0.1", tcp_seg_size="1m", environ={}).env == {
+        "UCX_TLS": "tcp,sm,self,cma", "UCX_NET_DEVICES": "lo",
+        "UCX_TCP_TX_SEG_SIZE": "1m", "UCX_TCP_RX_SEG_SIZE": "1m"}
+
+
+@pytest.mark.timeout(10)
+def test_seg_size_flag_refuses_bad_sizes_in_one_line() -> None:
+    from kvstage.cli.args import ucx_size
+
+    parse = ucx_size("--ucx-tcp-seg-size")
+    assert parse("256K") == "256k" and parse("1m") == "1m" and parse("65536") == "65536"
+    for bad in ("", "0", "512", "1g", "128m", "fast", "1.5m", "-1k"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected a size from 1k to 64m"):
+            parse(bad)
+
+
+@pytest.mark.timeout(10)
+def test_serving_instances_get_the_same_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstage.serving import cluster
+
+    for key in ucx_env.KEYS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(ucx_env, "interface_for", lambda host: "eth7")
+    assert cluster.across_hosts_ucx("10.9.0.5") == ucx_env.choose("10.9.0.5").env == {
+        "UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth7", **SEGS}
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8k")  # the operator's word reaches the child
+    assert cluster.across_hosts_ucx("10.9.0.5")["UCX_TCP_TX_SEG_SIZE"] == "8k"
+    # an address that does not resolve: the same, minus the interface
+    assert cluster.across_hosts_ucx("no-such-host.invalid") == {
+        "UCX_TLS": "tcp", "UCX_TCP_TX_SEG_SIZE": "8k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 
 
 @pytest.mark.timeout(10)

@@ -245,6 +245,9 @@ def test_role_prefill_on_a_routable_address(model_dir: Path, tmp_path: Path,
         assert f"VLLM_NIXL_SIDE_CHANNEL_PORT={5600 + i}" in line
         assert "VLLM_NIXL_SIDE_CHANNEL_HOST=10.9.8.7" in line and "VLLM_HOST_IP=10.9.8.7" in line
         assert "UCX_NET_DEVICES=lo" not in line  # UCX picks the routable interface
+        # the same off-loopback TCP settings as kvstage's own roles (ucx_env.choose)
+        assert "UCX_TLS=tcp " in line and "UCX_TCP_TX_SEG_SIZE=256k" in line
+        assert "UCX_TCP_RX_SEG_SIZE=256k" in line
         kv = json.loads(line.split("--kv-transfer-config ", 1)[1].strip("'"))
         assert kv["kv_role"] == "kv_producer"
         assert kv["kv_connector_extra_config"]["kvstage_key_file"] == str(key.resolve())
@@ -259,6 +262,7 @@ def test_role_decode_on_loopback_needs_no_key(model_dir: Path,
     (line,) = [x for x in out.splitlines() if x.strip().startswith("$ ")]
     assert '"kv_role":"kv_consumer"' in line and "VLLM_NIXL_SIDE_CHANNEL_PORT=5700" in line
     assert "UCX_NET_DEVICES=lo" in line
+    assert "UCX_TCP_TX_SEG_SIZE" not in line  # loopback: the bytes move by CMA
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -138,13 +139,34 @@ def add_ucx_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ucx-net-devices", default=None,
                    help="UCX_NET_DEVICES for this process, e.g. eth0 or all (default: the "
                         "interface that carries the address; the environment's wins)")
+    p.add_argument("--ucx-tcp-seg-size", default=None, type=ucx_size("--ucx-tcp-seg-size"),
+                   metavar="SIZE",
+                   help="UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, e.g. 8k (UCX's own "
+                        f"TX default) or 1m (default: {ucx_env.TCP_SEG_SIZE} off loopback, "
+                        "unset on loopback; the environment's wins)")
+
+
+def ucx_size(flag: str) -> Callable[[str], str]:
+    """A UCX memory size (``256k``, ``1m``, ``65536``): 1 KiB to 64 MiB, kept as written."""
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "m": 1 << 20, "mb": 1 << 20}
+
+    def parse(text: str) -> str:
+        m = re.fullmatch(r"(\d+)([a-z]*)", text.strip().lower())
+        nbytes = int(m.group(1)) * units[m.group(2)] if m and m.group(2) in units else 0
+        if not (1 << 10) <= nbytes <= (64 << 20):
+            raise argparse.ArgumentTypeError(
+                f"{flag}: expected a size from 1k to 64m such as 256k or 1m; got {text!r}")
+        return text.strip().lower()
+
+    return parse
 
 
 def setup_ucx(args: argparse.Namespace, host: str) -> str:
     """Apply the UCX choice for ``host`` (nixl transport only); returns what was chosen."""
     if args.transport != "nixl":
         return f"ucx: not used (--transport {args.transport})"
-    choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices)
+    choice = ucx_env.choose(host, tls=args.ucx_tls, net_devices=args.ucx_net_devices,
+                            tcp_seg_size=getattr(args, "ucx_tcp_seg_size", None))
     ucx_env.apply(choice)
     return "ucx: " + choice.describe()
 

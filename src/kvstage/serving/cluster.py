@@ -114,20 +114,19 @@ def default_device() -> str:
 
 
 def across_hosts_ucx(host: str) -> dict[str, str]:
-    """UCX for an instance peers reach at ``host``: TCP only (between two network
-    namespaces of one machine UCX would take shared memory and no byte would cross the
-    link), on the interface that holds ``host`` when it is one of this machine's (as
-    kvstage's own roles, `kvstage.transport.ucx_env`)."""
-    from kvstage.transport.ucx_env import ACROSS_HOSTS_TLS, interface_for
+    """UCX for an instance peers reach at ``host``: `kvstage.transport.ucx_env.choose`'s
+    env, as kvstage's own roles get it (TCP only: between two network namespaces of one
+    machine UCX would take shared memory and no byte would cross the link; the interface
+    that holds ``host``; larger TCP segments). Variables already in this environment keep
+    their value; an address it cannot resolve gets the same minus the interface."""
+    from kvstage.transport import ucx_env
 
-    env = {"UCX_TLS": ACROSS_HOSTS_TLS}
     try:
-        dev = interface_for(host)
+        return ucx_env.choose(host).env
     except (OSError, ValueError):
-        dev = None
-    if dev:
-        env["UCX_NET_DEVICES"] = dev
-    return env
+        env = ucx_env.choose("0.0.0.0").env
+        env.pop("UCX_NET_DEVICES", None)
+        return env
 
 
 def visible_gpus() -> list[str]:

@@ -1,20 +1,21 @@
-"""UCX transports and network device for a role, chosen from the address it listens on or
-connects to (``kvstage prefill --listen``, ``kvstage decode --connect``).
+"""UCX settings for a role, chosen from the address it listens on or connects to
+(``kvstage prefill --listen``, ``kvstage decode --connect``, an instance's side-channel host).
 
-Rules, per variable (``UCX_TLS``, ``UCX_NET_DEVICES``); the first that applies wins:
+Rules, per variable; the first that applies wins:
 
 1. the variable is already in the environment: kept as it is (the user's word);
-2. the role's flag (``--ucx-tls``, ``--ucx-net-devices``);
+2. the role's flag (``--ucx-tls``, ``--ucx-net-devices``, ``--ucx-tcp-seg-size``);
 3. automatic, from the address:
 
-   - loopback (127.0.0.0/8, ::1, ``localhost``): ``tcp,sm,self,cma`` on ``lo``, the
-     same-host defaults of ``kvstage.transport.nixl.default_ucx_env``;
+   - loopback (127.0.0.0/8, ::1, ``localhost``): ``UCX_TLS=tcp,sm,self,cma`` on ``lo``, the
+     same-host defaults of ``kvstage.transport.nixl.default_ucx_env`` (nothing else: the
+     bytes move by CMA);
    - a wildcard (``0.0.0.0``, ``::``): ``tcp`` on ``all`` (UCX offers every device; each
-     peer uses one it can reach);
+     peer uses one it can reach), with the TCP segments below;
    - any other address: ``tcp`` on the one interface that owns it (this host's address)
      or that the kernel routes it through (a peer's address). The source address of a
      route lookup (a UDP ``connect``, which sends nothing) names that interface; if
-     there is no route, ``all``.
+     there is no route, ``all``. With the TCP segments below.
 
 Why ``tcp`` alone off loopback: shared memory and CMA only work between processes of
 one kernel. Across hosts UCX would not pick them anyway, but between two network
@@ -22,6 +23,20 @@ namespaces of one host it does (measured: ``UCX_PROTO_INFO=y`` shows the READ as
 ``cma/memory``), and the bytes then never cross the link. Why one device rather than
 ``all``: READs and notifications then take the same path as the side channel, not
 whichever other NIC UCX finds reachable.
+
+Why larger TCP segments off loopback (``UCX_TCP_TX_SEG_SIZE`` = ``UCX_TCP_RX_SEG_SIZE`` =
+`TCP_SEG_SIZE`): over tcp UCX has no remote read; a READ is emulated, the peer answering
+with active messages of at most one TX segment (UCX's default 8 KiB), each a ``send`` and
+a copy through a receive buffer of one RX segment (64 KiB). Measured across two
+namespaces (``python -m bench.tcp_link``, BENCHMARKS "How fast is the READ across hosts
+over TCP?"): with UCX's defaults the READ got 47-67 % of the same run's plain TCP stream;
+with larger segments it reaches the stream's rate. Both sides should use the same value
+(each side's RX must hold the other's TX); a peer with UCX's defaults still works (see
+the BENCHMARKS section).
+
+`choose(host)` is the one entry point: the CLI roles apply it (`apply`), kvstage's serving
+helpers hand its ``env`` to vLLM instances, and a connector passes ``choose(host).env`` to
+its transport (``NixlTransport(name, ucx_env=...)``).
 """
 
 from __future__ import annotations
@@ -37,7 +52,9 @@ __all__ = ["UcxChoice", "apply", "choose", "interface_for", "local_addresses"]
 
 SAME_HOST_TLS = "tcp,sm,self,cma"  # kvstage.transport.nixl.default_ucx_env()
 ACROSS_HOSTS_TLS = "tcp"
-KEYS = ("UCX_TLS", "UCX_NET_DEVICES")
+TCP_SEG_SIZE = "256k"  # off loopback, both UCX_TCP_TX_SEG_SIZE and _RX_ (module doc)
+SEG_KEYS = ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")
+KEYS = ("UCX_TLS", "UCX_NET_DEVICES", *SEG_KEYS)
 
 
 @dataclass(frozen=True)
@@ -127,19 +144,23 @@ def interface_for(host: str) -> str | None:
 
 
 def _auto(host: str) -> tuple[dict[str, str], dict[str, str]]:
-    """(values, reasons) for both variables."""
+    """(values, reasons) of the variables the address sets (none of SEG_KEYS on loopback)."""
     ip = _resolve(host)
     if ip.is_loopback:
         why = f"auto: {host} is loopback"
-        return {"UCX_TLS": SAME_HOST_TLS, "UCX_NET_DEVICES": "lo"}, dict.fromkeys(KEYS, why)
+        return ({"UCX_TLS": SAME_HOST_TLS, "UCX_NET_DEVICES": "lo"},
+                dict.fromkeys(("UCX_TLS", "UCX_NET_DEVICES"), why))
     dev = "all" if ip.is_unspecified else interface_for(host)
-    return {"UCX_TLS": ACROSS_HOSTS_TLS, "UCX_NET_DEVICES": dev or "all"}, {
-        "UCX_TLS": f"auto: {host} is not loopback",
+    off = f"auto: {host} is not loopback"
+    return {"UCX_TLS": ACROSS_HOSTS_TLS, "UCX_NET_DEVICES": dev or "all",
+            **dict.fromkeys(SEG_KEYS, TCP_SEG_SIZE)}, {
+        "UCX_TLS": off,
         "UCX_NET_DEVICES": (
             f"auto: {host} is every address" if ip.is_unspecified
             else f"auto: {dev} carries {host}" if dev
             else f"auto: no interface found for {host}"
         ),
+        **dict.fromkeys(SEG_KEYS, off),
     }
 
 
@@ -148,10 +169,13 @@ def choose(
     *,
     tls: str | None = None,
     net_devices: str | None = None,
+    tcp_seg_size: str | None = None,
     environ: Mapping[str, str] = os.environ,
 ) -> UcxChoice:
-    """UCX_TLS and UCX_NET_DEVICES for a role bound to or dialling ``host`` (module doc)."""
-    flags = {"UCX_TLS": (tls, "--ucx-tls"), "UCX_NET_DEVICES": (net_devices, "--ucx-net-devices")}
+    """The UCX variables for a role bound to or dialling ``host`` (module doc): its
+    ``env`` is the whole setting, to apply before the NIXL agent is created."""
+    flags = {"UCX_TLS": (tls, "--ucx-tls"), "UCX_NET_DEVICES": (net_devices, "--ucx-net-devices"),
+             **dict.fromkeys(SEG_KEYS, (tcp_seg_size, "--ucx-tcp-seg-size"))}
     auto: tuple[dict[str, str], dict[str, str]] | None = None
     env: dict[str, str] = {}
     why: dict[str, str] = {}
@@ -163,7 +187,8 @@ def choose(
             env[key], why[key] = value, flag
         else:
             auto = auto or _auto(host)
-            env[key], why[key] = auto[0][key], auto[1][key]
+            if key in auto[0]:
+                env[key], why[key] = auto[0][key], auto[1][key]
     return UcxChoice(env, why)
 
 
