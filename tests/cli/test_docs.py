@@ -51,3 +51,28 @@ def test_every_connector_metric_is_in_the_reference() -> None:
     doc = (ROOT / "docs" / "connector.md").read_text()
     missing = sorted(n for n in names if f"`{n}" not in doc)
     assert not missing, f"docs/connector.md lacks the metrics {missing}"
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces -."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_resolves() -> None:
+    docs = [ROOT / "README.md", ROOT / "BENCHMARKS.md", ROOT / "RELIABILITY.md",
+            *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for doc in docs:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, frag = target.partition("#")
+            dest = (doc.parent / path).resolve() if path else doc
+            if not dest.exists():
+                broken.append(f"{doc.name}: {target}")
+            elif frag and dest.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", dest.read_text(), re.MULTILINE)
+                if frag not in {anchor(h) for h in headings}:
+                    broken.append(f"{doc.name}: {target} (no such heading)")
+    assert not broken, broken
