@@ -22,7 +22,7 @@ from kvstage.testing.vllm_engines import PREFILL_REQUEST_PARAMS
 REQUESTS = "vllm:request_success_total"  # vLLM's counter of finished requests
 REQUEST_TIMEOUT_S = 120.0  # the client's bound on every request
 WAIT_S = 120.0  # bound on every state a test waits for
-RELEASED = "Releasing expired KV blocks for request"  # vLLM's line when a lease ends
+RELEASED = "lease ended, blocks freed for request"  # the connector's line when a lease ends
 # vllm-router checks each worker's /health every 60 s by default and takes a worker back
 # after 2 good checks in a row: up to 2 min after an instance is back. Every 5 s here.
 ROUTER_ARGS = ("--health-check-interval-secs", "5")
@@ -127,3 +127,20 @@ def served_since(before: dict[str, float], instances: list[Instance], *,
         if sum(served.values()) >= expect or time.monotonic() > deadline:
             return served
         time.sleep(0.2)
+
+
+def digested_blocks(params: dict) -> set[int]:
+    """The remote block ids a prefill holds a digest for (``kvstage_verify_checksum``), asked
+    as a decode asks (kvstage's Acquire on rank 0's side channel, no key; the request stays
+    held): the ids of ``params["remote_block_ids"]`` with one digest each (null ids skipped)."""
+    from kvstage.pd import messages as m
+    from kvstage.pd.integrity import digest_map
+    from kvstage.pd.side_channel import SideChannelClient
+
+    client = SideChannelClient(params["remote_host"], params["remote_port"], timeout_s=10.0)
+    lease = client.call(m.Acquire(request_id=params["remote_request_id"],
+                                  capability=bytes.fromhex(params["kvstage"]["capability"])))
+    assert isinstance(lease, m.Lease), lease
+    digests = digest_map(params["remote_block_ids"], lease.checksums)
+    assert digests is not None, (lease, params)
+    return set(digests)

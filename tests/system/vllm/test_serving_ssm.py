@@ -52,6 +52,7 @@ from kvstage.testing.tiny_hybrids import BUILDERS  # noqa: E402
 from tests.system.vllm.serving_helpers import (  # noqa: E402
     REQUESTS,
     check_ok,
+    digested_blocks,
     prefill_only,
     served_since,
 )
@@ -141,12 +142,13 @@ def test_router_completions_equal_single_engine(
     assert served == {prefill.name: total, decode.name: total}, served
     for inst in (prefill, decode):
         log = inst.log_path.read_text(errors="replace")
-        assert "kvstage host buffers" in log, f"{inst.name}: KVStageConnector not set up"
+        assert "(block-major), side channel" in log, f"{inst.name}: KVStageConnector not set up"
         bad = [e for e in CHECKSUM_ERRORS if e in log]
         assert not bad, f"{inst.name} logged {bad}:\n{inst.log_tail()}"
 
-    # the checksum was on: the prefill hands the decode one digest per non-null block
+    # the checksum was on: the prefill hands the decode one digest per non-null block (in
+    # the lease, asked here as the decode asks it)
     params = prefill_only(prefill.url, model, PROMPTS[-1])
     ids = {b for g in params["remote_block_ids"] for b in g if b}
     assert ids, params
-    assert set(map(int, params["kvstage"]["checksums"]["xxh3_64"])) == ids, params
+    assert digested_blocks(params) == ids, params

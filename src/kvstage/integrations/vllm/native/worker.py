@@ -18,7 +18,8 @@ its own block-major host buffer of this rank's shard (host bytes = the rank's de
   capability the scheduler hands out) and the releases.
 - ``load(meta)`` (vLLM's ``start_load_kv``): one READ per request into the local ids vLLM
   allocated, h2d pipelined behind it (`kvstage.pd.pipeline`), started off the step thread
-  (`loads.Loads`: a prefill that does not answer never holds a step); ``forgets`` release
+  (`loads.Loads`: a prefill that does not answer never holds a step; the handshake and
+  each READ are bounded by half of ``kv_lease_duration``); ``forgets`` release
   the remote blocks a request will not read; ``fails`` end loads the scheduler refused.
 - ``results(finished)`` (vLLM's ``get_transfer_results``): READs that ended (a failed one is
   in ``failed_recving`` too: vLLM's ``kv_load_failure_policy`` applies) and requests every
@@ -53,18 +54,15 @@ from kvstage.pd.prefill import PrefillWorker
 
 IDLE_WAIT_S = 0.1  # the serving thread's wait with nothing held
 HELD_WAIT_S = 0.002  # ... while requests are held (NIXL notifications are polled)
-READ_TIMEOUT_CAP_S = 10.0
-#: the first READ from a prefill rank waits for its metadata: an instance whose workers
-#: share cores with others (4 vLLM workers on 2 cores in the tests) answers late, not never
-HANDSHAKE_TIMEOUT_S = 15.0
+LEASE_ENDED = "lease ended, blocks freed for request"  # logged once per request and rank
 
 
 class _Serving(threading.Thread):
     """Serves a prefill role's side channel, notifications and leases (module doc)."""
 
-    def __init__(self, role: PrefillWorker, lock: threading.Lock) -> None:
+    def __init__(self, role: PrefillWorker, lock: threading.Lock, log: Any, rank: int) -> None:
         super().__init__(name="kvstage-prefill-serve", daemon=True)
-        self.role, self.lock = role, lock
+        self.role, self.lock, self.log, self.rank = role, lock, log, rank
         self.stopping = threading.Event()
 
     def run(self) -> None:
@@ -73,6 +71,10 @@ class _Serving(threading.Thread):
             with self.lock:
                 if self.stopping.is_set():
                     return
+                for rid in self.role.expire_leases():
+                    self.log.warning("kvstage: rank %d: %s %s: no decode read it within its "
+                                     "lease (%g s)", self.rank, LEASE_ENDED, rid,
+                                     self.role.lease_s)
                 self.role.serve_once(0.0)
 
 
@@ -126,7 +128,7 @@ class WorkerSide:
                 engine_id=f"{self.engine_id}/{self.rank}", on_free=self._freed, key=self.key,
                 insecure=self.allow_unauthenticated, verify_checksum=self.verify_checksum,
                 lease_s=self.lease_s)
-            self.serving = _Serving(self.prefill, self.lock)
+            self.serving = _Serving(self.prefill, self.lock, self.log, self.rank)
             self.serving.start()
         if self.consumer:
             transport = NixlTransport(f"kvstage-d-{self.engine_id}-{self.rank}",
@@ -134,8 +136,7 @@ class WorkerSide:
             role = DecodeWorker(
                 cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
                 verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
-                handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
-                read_timeout_s=min(READ_TIMEOUT_CAP_S, self.lease_s / 2))
+                handshake_timeout_s=self.lease_s / 2, read_timeout_s=self.lease_s / 2)
             self.loads = Loads(role, rank=self.rank, tp_size=self.tp_size, key=self.key,
                                log=self.log, log_reads=self.log_reads)
         return cache
