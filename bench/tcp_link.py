@@ -9,11 +9,12 @@ Python ``sendall`` stream of the request's bytes and kvstage's READ of the reque
 ratio compares two things measured under the same noise. The bytes READ are verified.
 
 ``--variant NAME:KEY=VALUE,...`` (repeatable) runs the pair once per variant with those
-variables added to BOTH processes' environments (UCX settings; ``KVSTAGE_UCX_DEFAULTS=0``
-turns kvstage's automatic off-loopback tuning off: the "before"); variants run in turn,
-``--rounds`` times, each with its own stream samples. ``--netem DELAY_MS:RATE_MBIT``
-shapes the veth (tc netem). Writes ``--json`` and, with ``--png``, READ GB/s against the
-request size with the stream's rate as a line.
+variables added to both processes' environments (``P.KEY``/``D.KEY``: the prefill's or the
+decode's only). UCX settings in the environment win over kvstage's own choice, so UCX's
+defaults (the "before") are ``before:UCX_TCP_TX_SEG_SIZE=8k,UCX_TCP_RX_SEG_SIZE=64k``.
+Variants run in turn, ``--rounds`` times, each with its own stream samples.
+``--netem DELAY_MS:RATE_MBIT`` shapes the veth (tc netem). Writes ``--json`` and, with
+``--png``, READ GB/s against the request size with the stream's rate as a line.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from bench import netns
-from kvstage.bench.report import Column, machine_info, plot_lines, print_table, write_json
+from kvstage.bench.report import Column, machine_info, print_table, write_json
 from kvstage.cli import run_program
 
 PORT, STREAM_PORT, IPERF3_PORT = 5700, 5701, 5702
@@ -107,11 +108,16 @@ def _wait_port(pair: netns.Pair, proc: subprocess.Popen[bytes], port: int, log: 
 
 def run_variant(pair: netns.Pair, args: argparse.Namespace, env: dict[str, str],
                 tmp: str, tag: str) -> dict[str, Any]:
-    env = netns.child_env({"KVSTAGE_KEY": KEY, **env})
+    def side(prefix: str) -> dict[str, str]:
+        """Variables for one side: unprefixed ones, and ``P.``/``D.`` ones for P/D only."""
+        mine = {k.removeprefix(prefix): v for k, v in env.items() if k.startswith(prefix)}
+        both = {k: v for k, v in env.items() if not k.startswith(("P.", "D."))}
+        return netns.child_env({"KVSTAGE_KEY": KEY, **both, **mine})
+
     log = os.path.join(tmp, f"prefill-{tag}.log")
     prefill = pair.popen(pair.p, [sys.executable, "-m", "bench.transfer", "--listen",
                                   f"{netns.PREFILL_IP}:{PORT}", "--num-blocks",
-                                  str(args.num_blocks)], env=env, log=log)
+                                  str(args.num_blocks)], env=side("P."), log=log)
     try:
         _wait_port(pair, prefill, PORT, log)
         argv = [sys.executable, "-m", "bench.tcp_link_client", "--connect",
@@ -120,7 +126,7 @@ def run_variant(pair: netns.Pair, args: argparse.Namespace, env: dict[str, str],
                 "--num-blocks", str(args.num_blocks), "--iters", str(args.iters),
                 "--warmup", str(args.warmup), "--sizes-mib", *map(str, args.sizes_mib),
                 "--modes", *args.modes, "--methods", *args.methods]
-        client = pair.popen(pair.d, argv, env=env, stdout=subprocess.PIPE)
+        client = pair.popen(pair.d, argv, env=side("D."), stdout=subprocess.PIPE)
         out, _ = client.communicate(timeout=CLIENT_TIMEOUT_S)
         if client.returncode != 0:
             raise RuntimeError(f"the client exited {client.returncode}")
@@ -176,18 +182,43 @@ COLUMNS = [
 
 
 def plot(path: str, rows: list[dict[str, Any]]) -> None:
-    panels: dict[str, dict[str, tuple[list[float], list[float]]]] = {}
-    for r in sorted(rows, key=lambda r: r["mib"]):
-        label = f"{r['variant']} {r['method']}" if r["method"] != "stream" else \
-            f"{r['variant']} TCP stream (link)"
-        xs, ys = panels.setdefault(f"{r['ids']} ids", {}).setdefault(label, ([], []))
-        xs.append(r["mib"])
-        ys.append(r["gbps"])
-    plot_lines(path, panels, xlabel="request MiB (log2)", ylabel="GB/s",
-               title="READ across two namespaces (veth, UCX tcp) vs a plain TCP stream")
-    import matplotlib.pyplot as plt  # plot_lines closed its figure: log x afterwards is moot
+    """One panel per id mode: READ GB/s per variant and method against the request size
+    (log2 axis), the Python stream and iperf3 as dashed lines."""
+    import matplotlib
 
-    del plt
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    modes = sorted({r["ids"] for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.2), squeeze=False,
+                             sharey=True)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        series: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if r["ids"] != mode:
+                continue
+            label = (f"{r['variant']}: TCP stream (Python)" if r["method"] == "stream"
+                     else f"{r['variant']}: {r['method']}")
+            series.setdefault(label, []).append((r["mib"], r["gbps"]))
+            if r["method"] == "stream" and r.get("iperf3_gbps"):
+                series.setdefault(f"{r['variant']}: iperf3", []).append(
+                    (r["mib"], r["iperf3_gbps"]))
+        for label, pts in sorted(series.items()):
+            xs, ys = zip(*sorted(pts), strict=True)
+            link = "stream" in label or "iperf3" in label
+            ax.plot(xs, ys, linestyle="--" if link else "-", marker="." if link else "o",
+                    label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode} ids")
+        ax.set_xlabel("request MiB")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="x-small")
+    axes[0][0].set_ylabel("GB/s")
+    fig.suptitle("READ across two namespaces (veth, UCX tcp) vs the same run's TCP stream")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,10 +7,12 @@ reads an 8-byte length and ``sendall``s that many bytes from one preallocated bu
 connection kept open for the run (a warm TCP window, as the READ's UCX connection is).
 
 The READ ``methods``: ``read`` posts the request as ONE transfer of merged descriptors
-(`bench.transfer`'s ``merged``) and waits for DONE; ``split<k>`` cuts the same runs into
-``k`` chunks (`kvstage.pd.pipeline.split_runs`) posted at once, waiting for all; ``decode``
-is the product's path, the request through `kvstage.pd.pipeline` as `DecodeWorker` posts
-it (chunks, window, polling), without h2d. Every sample is the time to the last byte.
+(`bench.transfer`'s ``merged``) and waits for DONE, polling without pause; ``split<k>``
+cuts the same runs into ``k`` chunks (`kvstage.pd.pipeline.split_runs`) posted at once,
+waiting for all; ``pipeline`` is the product's path, the request through
+`kvstage.pd.pipeline` as `DecodeWorker(pipeline=True)` (the vLLM connector's) posts it:
+its chunks, its window, a poll every 0.5 ms, h2d behind (to a CPU cache here). Every
+sample is the time to the last byte READ.
 Results: one JSON document on stdout's last line.
 """
 
@@ -34,7 +36,7 @@ from bench.transfer_bench import NOTIF, Bench
 from kvstage.blocks import BlockPool, request_blocks
 from kvstage.pd import messages as m
 from kvstage.pd.decode import pair_runs
-from kvstage.pd.pipeline import split_runs
+from kvstage.pd.pipeline import Loader, ReadJob, split_runs
 from kvstage.transport.base import TransferState
 
 CHUNK = 8 << 20  # the stream server's buffer; a request is sent as many of these
@@ -149,12 +151,37 @@ def read(bench: Bench, runs: np.ndarray, parts: int, poll_s: float) -> int:
     return time.perf_counter_ns() - start
 
 
+def read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader) -> int:
+    """The product's READ (`DecodeWorker(pipeline=True)`): `split_runs` chunks, `ReadJob`
+    posting and polling every 0.5 ms as the decode's ``wait`` does, h2d of each chunk
+    behind; nanoseconds from the first post to the last chunk's READ seen DONE."""
+    assert bench.transport is not None
+    transport = bench.transport
+    job = ReadJob(split_runs(runs, bench.layout.block_bytes), bench.peer, NOTIF,
+                  post=lambda r, notif: transport.read(
+                      bench.peer, *bench.descriptors("merged", r), notif),
+                  verify=lambda r: "")
+    t0 = time.monotonic()
+    job.post_window()
+    state = "pending"
+    while state == "pending" and time.monotonic() - t0 < TIMEOUT_S:
+        state, _ = job.advance(transport, loader)
+        if state == "pending":
+            time.sleep(0.0005)
+    for h in job.handles_all():
+        transport.release(h)
+    if state != "done":
+        raise RuntimeError(f"pipelined READ ended {state}")
+    return int((job.read_done - t0) * 1e9)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(args)
     try:
         host, port = args.connect.rsplit(":", 1)
         stream = Stream(host, args.stream_port, max(args.sizes_mib) << 20)
         rows: list[dict[str, Any]] = []
+        loader = Loader(bench.engine)
         for mode in args.modes:
             local_pool = BlockPool(bench.layout.num_blocks)
             if mode == "scattered":
@@ -175,6 +202,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for meth in methods[k:] + methods[:k]:
                         if meth == "stream":
                             ns = stream.once(nbytes)
+                        elif meth == "pipeline":
+                            ns = read_pipelined(bench, runs, loader)
                         else:
                             parts = 1 if meth == "read" else int(meth.removeprefix("split"))
                             ns = read(bench, runs, parts, args.poll_s)
@@ -194,6 +223,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 bench.release(rid)
                 for g in local:
                     local_pool.free(g)
+        loader.close()
         return {"rows": rows, "ucx": bench.ucx}
     finally:
         bench.close()
