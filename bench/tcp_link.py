@@ -129,7 +129,9 @@ def run_variant(pair: netns.Pair, args: argparse.Namespace, env: dict[str, str],
         client = pair.popen(pair.d, argv, env=side("D."), stdout=subprocess.PIPE)
         out, _ = client.communicate(timeout=CLIENT_TIMEOUT_S)
         if client.returncode != 0:
-            raise RuntimeError(f"the client exited {client.returncode}")
+            how = (f"killed by signal {-client.returncode}" if client.returncode < 0
+                   else f"exited {client.returncode}")
+            raise RuntimeError(f"the decode-side client {how}")
         doc: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
         with open(log) as f:
             doc["prefill_ucx"] = next((ln.strip() for ln in f if "ucx:" in ln), "")
@@ -232,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     variants = args.variant or [("default", {})]
     pair = netns.Pair().up()
     results: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
     try:
         if args.netem:
             pair.shape(delay_ms=args.netem[0], rate_mbit=args.netem[1])
@@ -245,7 +248,14 @@ def run(args: argparse.Namespace) -> int:
             for rnd in range(args.rounds):
                 for name, env in variants:
                     print(f"round {rnd + 1}/{args.rounds}: {name} {env}", file=sys.stderr)
-                    doc = run_variant(pair, args, env, tmp, f"{name}-{rnd}")
+                    try:
+                        doc = run_variant(pair, args, env, tmp, f"{name}-{rnd}")
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        # recorded, not fatal: a variant that crashes UCX is a finding
+                        print(f"{name}: FAILED: {exc}", file=sys.stderr)
+                        failed.append({"variant": name, "env": env, "round": rnd,
+                                       "error": str(exc)})
+                        continue
                     doc.update(variant=name, env=env, round=rnd)
                     results.append(doc)
     finally:
@@ -255,15 +265,17 @@ def run(args: argparse.Namespace) -> int:
                 title="READ across namespaces vs the same run's TCP stream")
     for res in results[: len(variants)]:
         print(f"{res['variant']}: decode {res['ucx']}; prefill {res['prefill_ucx']}")
+    for f in failed:
+        print(f"{f['variant']} {f['env']}: FAILED: {f['error']}")
     if args.json:
         write_json(args.json, config=vars(args), env=machine_info("cpu") | {
-            "host": socket.gethostname()}, results=rows, raw=results)
+            "host": socket.gethostname()}, results=rows, raw=results, failed=failed)
         print(f"wrote {args.json}")
     if args.png:
         plot(args.png, rows)
         print(f"wrote {args.png}")
     bad = [r for res in results for r in res["rows"] if r["verified"] is False]
-    return 1 if bad else 0
+    return 1 if bad or failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,6 +35,7 @@ from bench.transfer import _churn_local
 from bench.transfer_bench import NOTIF, Bench
 from kvstage.blocks import BlockPool, request_blocks
 from kvstage.pd import messages as m
+from kvstage.pd import pipeline
 from kvstage.pd.decode import pair_runs
 from kvstage.pd.pipeline import Loader, ReadJob, split_runs
 from kvstage.transport.base import TransferState
@@ -139,6 +140,28 @@ def wait_all(bench: Bench, handles: list[int], poll_s: float) -> None:
             raise RuntimeError(f"a READ ended {state.value}")
 
 
+def cut(descs: np.ndarray, pieces: int) -> np.ndarray:
+    """``[N, 2]`` (addr, nbytes) rows cut so that none is over ``total / pieces`` bytes."""
+    most = max(1, -(-int(descs[:, 1].sum()) // pieces))
+    rows = []
+    for addr, n in descs.tolist():
+        for off in range(0, n, most):
+            rows.append((addr + off, min(most, n - off)))
+    return np.array(rows, dtype=np.int64)
+
+
+def read_cut(bench: Bench, runs: np.ndarray, pieces: int, poll_s: float) -> int:
+    """One transfer whose descriptors are cut into at least ``pieces`` (NIXL's UCX thread
+    pool spreads a descriptor list over its workers, each its own TCP connection)."""
+    assert bench.transport is not None
+    local, remote = bench.descriptors("merged", runs)
+    local, remote = cut(local, pieces), cut(remote, pieces)
+    start = time.perf_counter_ns()
+    handle = bench.transport.read(bench.peer, local, remote, NOTIF)
+    wait_all(bench, [handle], poll_s)
+    return time.perf_counter_ns() - start
+
+
 def read(bench: Bench, runs: np.ndarray, parts: int, poll_s: float) -> int:
     """One request's READ as ``parts`` concurrent transfers; nanoseconds to the last byte."""
     assert bench.transport is not None
@@ -151,10 +174,21 @@ def read(bench: Bench, runs: np.ndarray, parts: int, poll_s: float) -> int:
     return time.perf_counter_ns() - start
 
 
-def read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader) -> int:
+def read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader, window: int = 0) -> int:
     """The product's READ (`DecodeWorker(pipeline=True)`): `split_runs` chunks, `ReadJob`
     posting and polling every 0.5 ms as the decode's ``wait`` does, h2d of each chunk
-    behind; nanoseconds from the first post to the last chunk's READ seen DONE."""
+    behind; nanoseconds from the first post to the last chunk's READ seen DONE.
+    ``window`` > 0 replaces `pipeline.WINDOW` (chunks in flight) for this READ."""
+    assert bench.transport is not None
+    saved = pipeline.WINDOW
+    pipeline.WINDOW = window or saved
+    try:
+        return _read_pipelined(bench, runs, loader)
+    finally:
+        pipeline.WINDOW = saved
+
+
+def _read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader) -> int:
     assert bench.transport is not None
     transport = bench.transport
     job = ReadJob(split_runs(runs, bench.layout.block_bytes), bench.peer, NOTIF,
@@ -202,8 +236,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     for meth in methods[k:] + methods[:k]:
                         if meth == "stream":
                             ns = stream.once(nbytes)
-                        elif meth == "pipeline":
-                            ns = read_pipelined(bench, runs, loader)
+                        elif meth.startswith("pipeline"):  # pipelineW2: window of 2
+                            window = meth.removeprefix("pipeline").removeprefix("W")
+                            ns = read_pipelined(bench, runs, loader, int(window or 0))
+                        elif meth.startswith("cut"):
+                            ns = read_cut(bench, runs, int(meth.removeprefix("cut")),
+                                          args.poll_s)
                         else:
                             parts = 1 if meth == "read" else int(meth.removeprefix("split"))
                             ns = read(bench, runs, parts, args.poll_s)
