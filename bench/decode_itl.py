@@ -15,8 +15,8 @@ prefill request, then the decode streamed directly: the decode's own ITL, no rou
 and ``plain``. Per path: mean and median ITL (the gaps between streamed tokens after the
 first: each a decode step of the decode instance, or of the plain one) and TTFT, and the
 ratios to the plain server's. ``--kv-extra KEY=VALUE`` (repeatable) goes to the P/D
-instances' ``kv_connector_extra_config`` (e.g. ``kvstage_quiet_poll_ms=0``: vLLM's NIXL
-bookkeeping in every step). The two decoding processes share one core,
+instances' ``kv_connector_extra_config`` (e.g. ``kvstage_progress_delay_us=1000``: the
+NIXL progress thread's idle wait). The two decoding processes share one core,
 so the box's load falls on both. Writes ``<out>/decode_itl.json`` and ``.md``; logs under
 ``<out>/logs``. Bad arguments: one line, exit 2.
 """

@@ -21,9 +21,10 @@ engine of the same model, then for each ``--concurrency`` one run of ``vllm.benc
 prompts everywhere: both tiny models share one word-level tokenizer), temperature 0,
 ignore_eos. Reported: completed/failed, request throughput, TTFT p50/p99, ITL mean, the
 generated texts that differ from the single engine's at that point, and from the decode's
-/metrics (deltas over the run) the KV transfer per request: READ time (vLLM's
-``vllm:nixl_xfer_time_seconds``) plus kvstage's h2d (``vllm:kvstage_h2d_time_seconds``; vLLM's
-own h2d is not timed), and that time's share of the mean TTFT.
+/metrics (deltas over the run) the KV transfer per request: kvstage's READ posted to last
+h2d done (``vllm:kvstage_h2d_time_seconds``: the READ with the h2d pipelined behind it), or
+for vLLM's own connector its READ time (``vllm:nixl_xfer_time_seconds``; its h2d is not
+timed), and that time's share of the mean TTFT.
 
 Writes ``<out>/serving.json`` and ``<out>/serving.md``; every engine's log under
 ``<out>/logs``. Bad arguments: one line, exit 2.
@@ -65,10 +66,11 @@ CONFIGS: dict[str, tuple[str | None, str]] = {
 # name -> (prefills, decodes) where not 1P1D
 TOPOLOGY: dict[str, tuple[int, int]] = {"kvstage-hybrid-2p2d": (2, 2)}
 REQUESTS = "vllm:request_success_total"  # per decode: which decodes the router used
-DECODE_METRICS = (REQUESTS, 
+DECODE_METRICS = (REQUESTS,
     "vllm:nixl_xfer_time_seconds_sum", "vllm:nixl_xfer_time_seconds_count",
-    "vllm:nixl_bytes_transferred_sum", "vllm:kvstage_h2d_time_seconds_sum",
-    "vllm:kvstage_h2d_time_seconds_count", "vllm:nixl_num_failed_transfers_total",
+    "vllm:nixl_num_failed_transfers_total", "vllm:kvstage_read_bytes_total",
+    "vllm:kvstage_read_time_seconds_sum", "vllm:kvstage_h2d_time_seconds_sum",
+    "vllm:kvstage_h2d_time_seconds_count", "vllm:kvstage_read_failures_total",
 )
 EXACT_LENS = (5, 32, 40, 64, 100, 150, 200, 300)
 START_S = 600.0  # engines load in parallel; on a shared 2-core VM under load 300 s was short
@@ -189,11 +191,14 @@ def run_deployment(name: str, model: str, args: argparse.Namespace, logs: Path) 
 def transfer_share(point: dict) -> tuple[float | None, float | None]:
     """(KV transfer ms per request on the decode, its share of the mean TTFT)."""
     m = point.get("decode_metrics") or {}
-    reads = m.get("vllm:nixl_xfer_time_seconds_count", 0)
-    if not reads:
+    loads = m.get("vllm:kvstage_h2d_time_seconds_count", 0)
+    if loads:  # kvstage: READ posted -> last h2d done
+        per_request_ms = 1e3 * m["vllm:kvstage_h2d_time_seconds_sum"] / loads
+    elif m.get("vllm:nixl_xfer_time_seconds_count", 0):  # vLLM's: its READs only
+        per_request_ms = 1e3 * (m["vllm:nixl_xfer_time_seconds_sum"]
+                                / m["vllm:nixl_xfer_time_seconds_count"])
+    else:
         return None, None
-    h2d = m.get("vllm:kvstage_h2d_time_seconds_sum", 0.0)
-    per_request_ms = 1e3 * (m["vllm:nixl_xfer_time_seconds_sum"] + h2d) / reads
     return per_request_ms, per_request_ms / point["mean_ttft_ms"]
 
 

@@ -5,8 +5,7 @@
 Arrangements (``--arrangements``, `bench.step_kinds`), each a set of api_servers started
 together, all pinned to ONE core (``--core``, default the last; the client runs on the
 others), the tiny Llama, `TINY_CPU_ENGINE_ARGS`: plain servers beside kvstage consumers or
-producers, vLLM's NIXL consumer, a do-nothing connector, and the same on a vLLM with
-idle connector steps (`bench.lean_vllm`).
+producers, vLLM's NIXL consumer and a do-nothing connector.
 Every request is a plain one (no ``kv_transfer_params``: nothing is saved, READ or
 copied), so what differs between the servers is what the connector does on its own: its
 NIXL agent's threads, its side-channel listener and the per-step hooks. ``--rounds`` rounds

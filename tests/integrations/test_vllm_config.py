@@ -19,8 +19,8 @@ from kvstage.integrations.vllm.config import KEYS, KNOWN, KVStageConfig
 def test_defaults() -> None:
     assert KVStageConfig.parse(None) == KVStageConfig(
         force_host_buffer=False, key_file=None, allow_unauthenticated=False,
-        verify_checksum=False, lease_margin_s=7.0, progress_delay_us=20_000, log_reads=False,
-        lease_duration_s=30.0, quiet_poll_ms=100)
+        verify_checksum=False, progress_delay_us=20_000, log_reads=False,
+        lease_duration_s=30.0)
 
 
 def test_every_key() -> None:
@@ -28,16 +28,12 @@ def test_every_key() -> None:
         "kvstage_force_host_buffer": True, "kvstage_key_file": "/k", "kvstage_log_reads": True,
         "kvstage_allow_unauthenticated": True, "kvstage_verify_checksum": True,
         "kvstage_progress_delay_us": 0, "kv_lease_duration": 6, "kv_recompute_threshold": 3,
-        "kvstage_quiet_poll_ms": 0,
+        "kvstage_save_by_chunk": False, "kvstage_time_hooks": True,
     })
     assert cfg == KVStageConfig(
         force_host_buffer=True, key_file="/k", allow_unauthenticated=True,
-        verify_checksum=True, lease_margin_s=6 // 6 + 2.0, progress_delay_us=0,
-        log_reads=True, lease_duration_s=6.0, quiet_poll_ms=0)
-    # the margin follows the lease unless given; vLLM heartbeats every step below 6 s
-    assert KVStageConfig.parse({"kv_lease_duration": 5}).lease_margin_s == 2.0
-    assert KVStageConfig.parse({"kvstage_lease_margin_s": 0.5,
-                                "kv_lease_duration": 6}).lease_margin_s == 0.5
+        verify_checksum=True, progress_delay_us=0, log_reads=True, lease_duration_s=6.0,
+        save_by_chunk=False, time_hooks=True)
     with pytest.raises(AttributeError):
         cfg.log_reads = False  # type: ignore[misc]  # frozen
 
@@ -46,14 +42,9 @@ def test_every_key() -> None:
     ("kvstage_force_host_buffer", "yes", "true or false"),
     ("kvstage_verify_checksum", 1, "true or false"),
     ("kvstage_key_file", 3, "a path string"),
-    ("kvstage_lease_margin_s", -1, "a number of seconds >= 0"),
-    ("kvstage_lease_margin_s", math.inf, "a number of seconds >= 0"),
-    ("kvstage_lease_margin_s", True, "a number of seconds >= 0"),
     ("kvstage_progress_delay_us", 100_001, "an int 0..100000"),
     ("kvstage_progress_delay_us", 1.5, "an int 0..100000"),
-    ("kvstage_quiet_poll_ms", 10_001, "an int 0..10000"),
-    ("kvstage_quiet_poll_ms", -1, "an int 0..10000"),
-    ("kvstage_quiet_poll_ms", True, "an int 0..10000"),
+    ("kv_lease_duration", math.inf, "a number of seconds > 0"),
     ("kv_lease_duration", 0, "a number of seconds > 0"),
     ("kv_lease_duration", "30", "a number of seconds > 0"),
 ])
@@ -70,22 +61,25 @@ def test_every_bad_value_at_once_and_vllm_settings() -> None:
     with pytest.raises(ValueError) as info:
         KVStageConfig.parse({"kvstage_log_reads": "no", "kvstage_merge_reads": False,
                              "kvstage_verfy_checksum": True, "kvstage_verify_checksum": True},
-                            kv_buffer_device="cuda", permute_local_kv=True, world_size=2)
+                            kv_buffer_device="cuda", permute_local_kv=True)
     lines = str(info.value).removeprefix("KVStageConnector: ").split("\n")
     assert lines == [
         "kv_connector_extra_config kvstage_log_reads='no': expected true or false",
         "kv_connector_extra_config kvstage_merge_reads=False: kvstage_merge_reads was "
-        "removed: NIXL merges vLLM's per-block READ descriptors itself, at a third of the "
-        "posting cost (BENCHMARKS.md \"Inside vLLM\"); drop the key",
+        "removed: a READ posts one descriptor per run of blocks already; drop the key",
         "kv_connector_extra_config kvstage_verfy_checksum=True: unknown kvstage key; known: "
         + ", ".join(KNOWN),
         "kv_buffer_device='cuda': expected 'cpu' (KVStageConnector stages KV through host "
         "memory; use NixlConnector for device-to-device)",
-        "enable_permute_local_kv=True: expected false (KVStageConnector keeps the host "
-        "layout equal to the device layout; no heterogeneous TP permute)",
-        "kv_connector_extra_config kvstage_verify_checksum=True: expected one worker per "
-        "instance (TP = PP = 1), this instance has 2",
+        "enable_permute_local_kv=True: expected false (vLLM's heterogeneous-TP permute is "
+        "NixlConnector's; KVStageConnector does not use it)",
     ]
+
+
+@pytest.mark.parametrize("key", ["kvstage_quiet_poll_ms", "kvstage_lease_margin_s"])
+def test_removed_keys_say_why(key: str) -> None:
+    with pytest.raises(ValueError, match=f"{key}=1: {key} was removed: .*; drop the key$"):
+        KVStageConfig.parse({key: 1})
 
 
 def test_from_vllm_reads_the_config_by_attribute() -> None:

@@ -4,10 +4,12 @@
 bytes]`` int8 whose block stride is the padded page, both at offset 0): torch only, vLLM's
 spec objects stood in by classes of the same names and attributes.
 
-- `copies.EngineCopyOp` copies whole logical pages (state padding included) of every
-  physical tensor for the ids given, and nothing else; with attention split into kernel
-  blocks (r = 2) the same logical rows.
-- `copies.unsupported` / `kvstage_groups` refuse other specs in one line naming the model.
+- The connector's copies (`copies.wrap_vllm_caches`, its block-major
+  ``HostBuffer.for_device``, kvstage's `CopyEngine`) move whole logical pages (state
+  padding included) of every physical tensor for the ids given, and nothing else; with
+  attention split into kernel blocks (r = 2) the same logical rows.
+- `copies.unsupported` / `kvstage_groups` refuse other specs in one line naming the model;
+  `wrap_vllm_caches` a state layout that is not one dense page per block.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvstage.integrations.vllm.copies import EngineCopyOp, kvstage_groups, unsupported
-from kvstage.integrations.vllm.host_buffers import mirror_host_buffers
+from kvstage.cache import HostBuffer
+from kvstage.engine import CopyEngine, Direction
+from kvstage.integrations.vllm.copies import kvstage_groups, unsupported, wrap_vllm_caches
 from kvstage.layout import FullAttentionSpec as KSFull
 from kvstage.layout import MambaSpec as KSMamba
+from kvstage.plan import runs_of_ids
 
 NUM_BLOCKS, PAGE = 8, 1024  # bytes per logical block
 STATE_BYTES = 3 * 40 * 4 + 2 * 4 * 4 * 4  # conv (40, 3) fp32 + ssm (2, 4, 4) fp32 = 736
@@ -80,30 +84,35 @@ def raw(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("direction", ["d2h", "h2d"])
 def test_whole_logical_pages_of_every_group(ratio: int, direction: str) -> None:
     device = vllm_like_caches(ratio)
-    host = mirror_host_buffers(device)
-    host["attn.0"].view(torch.int8).untyped_storage()  # a separate zeroed allocation
     groups = kvstage_groups(groups_of(), device, NUM_BLOCKS, "tiny-granite")
     assert isinstance(groups[0][1], KSMamba) and isinstance(groups[1][1], KSFull)
     assert groups[0][1].page_size_bytes == PAGE and groups[0][1].state_bytes == STATE_BYTES
     assert groups[1][1].block_size == 8  # logical: PAGE / (2 x 16 x 4 B)
-    op = EngineCopyOp(device, host, groups, NUM_BLOCKS)
-    assert op.layout.num_tensors == 1 and op.block_bytes == PAGE
-    src, dst = (device, host) if direction == "d2h" else (host, device)
-    if direction == "h2d":
-        raw_src = torch.randint(0, 255, (NUM_BLOCKS * PAGE,), dtype=torch.uint8,
-                                generator=torch.Generator().manual_seed(9))
-        torch.empty(0, dtype=torch.uint8).set_(host["mamba.0"].untyped_storage()).copy_(raw_src)
-    before_src, before_dst = raw(src["mamba.0"]), raw(dst["mamba.0"])
+    cache = wrap_vllm_caches(device, groups_of(), NUM_BLOCKS, "tiny-granite")
+    host = HostBuffer.for_device(cache.layout, cache.device)
+    engine = CopyEngine(cache, host)
+    # both groups on one physical tensor: a host row is one logical page, padding included
+    assert cache.layout.num_tensors == 1 and cache.layout.block_bytes == PAGE
+    assert host.block_major and host.nbytes == NUM_BLOCKS * PAGE
+    device_raw = torch.empty(0, dtype=torch.uint8).set_(device["mamba.0"].untyped_storage())
+    host_raw = host.storage.view(NUM_BLOCKS, -1).view(torch.uint8).view(-1)
+    host_raw.copy_(torch.randint(0, 255, (NUM_BLOCKS * PAGE,), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(9)))
+    src, dst = (device_raw, host_raw) if direction == "d2h" else (host_raw, device_raw)
+    before_src, before_dst = src.clone(), dst.clone()
     # a request: state slot 5 (mamba group), attention blocks 2, 3: the scheduler's
-    # logical ids, flattened as the worker passes them (whatever the kernel split r)
-    ids = [b for g in ([5], [2, 3]) for b in g]
-    op(src, dst, ids, ids, direction)
-    after_dst = raw(dst["mamba.0"])
-    assert torch.equal(raw(src["mamba.0"]), before_src)
+    # logical ids, one list per group as the worker saves them (whatever the kernel split
+    # r); the decode loads the runs of the same ids
+    ids = [[5], [2, 3]]
+    if direction == "d2h":
+        engine.save_to_host(ids)
+    else:
+        engine.copy_runs(runs_of_ids([b for g in ids for b in g]), Direction.H2D)
+    assert torch.equal(src, before_src)
     for b in range(NUM_BLOCKS):
         page = slice(b * PAGE, (b + 1) * PAGE)
         want = before_src[page] if b in (2, 3, 5) else before_dst[page]
-        assert torch.equal(after_dst[page], want), b  # padding of slot 5 included
+        assert torch.equal(dst[page], want), b  # padding of slot 5 included
 
 
 def test_other_specs_refused_in_one_line() -> None:
@@ -125,7 +134,7 @@ def test_mamba_layout_not_dense_refused() -> None:
     bad = dict(device)
     bad["mamba.0"] = device["mamba.0"].as_strided(
         (NUM_BLOCKS // 2, 1, 1, PAGE + 8), (PAGE, PAGE + 8, PAGE + 8, 1))
-    host = mirror_host_buffers(bad)
+    groups = [(["mamba.0"], MambaSpec(block_size=8))]
+    kvstage_groups(groups, bad, NUM_BLOCKS // 2)  # the spec is one kvstage copies ...
     with pytest.raises(ValueError, match="not \\[num_blocks, ...\\] with each block one dense"):
-        EngineCopyOp(bad, host, kvstage_groups([(["mamba.0"], MambaSpec(block_size=8))], bad,
-                                                 NUM_BLOCKS // 2), NUM_BLOCKS // 2)
+        wrap_vllm_caches(bad, groups, NUM_BLOCKS // 2, "tiny-granite")  # ... not its layout

@@ -527,3 +527,33 @@ def test_parse_address() -> None:
     assert parse_address(":5601") == ("127.0.0.1", 5601)
 
 
+
+
+@pytest.mark.timeout(60)
+def test_decode_with_a_smaller_pool_reads_ids_beyond_its_own() -> None:
+    """vLLM sizes each instance's pool from its memory: a decode with fewer blocks than
+    its prefill (``any_pool_size``, block-major) checks the remote ids against the
+    prefill's pool, its local ids against its own; ids beyond either are refused."""
+    small = dataclasses.replace(GEMMA, num_blocks=64)
+    prefill = make_prefill(GEMMA, lease_s=30.0, transport="loopback")
+    with PrefillThread(prefill):
+        decode = make_decode(small, transport="loopback", read_timeout_s=5.0,
+                             handshake_timeout_s=2.0, any_pool_size=True)
+        try:
+            addr = prefill.address
+            # hold earlier requests so the next one's ids lie beyond the decode's 64
+            prefill_request(addr, "filler", 512, seed=4)
+            done = prefill_request(addr, "far", 128, seed=5)
+            assert max(b for g in done.block_ids for b in g) >= small.num_blocks
+            res = decode.start("far", addr, done.block_ids, capability=done.capability)
+            res = decode.wait("far", 10.0) if res.status == "pending" else res
+            assert res.status == "done", res.reason
+            assert max(b for g in res.local_block_ids for b in g) < small.num_blocks
+            assert verify_request(decode.cache, res.local_block_ids, 5) == []
+            decode.finish("far")
+            beyond = [[NUM_BLOCKS + 1] + g[1:] for g in done.block_ids]
+            bad = decode.start("bad", addr, beyond, capability=done.capability)
+            assert bad.status == "failed" and f"ids must be in [0, {NUM_BLOCKS})" in bad.reason
+            assert_clean(decode)
+        finally:
+            decode.close()

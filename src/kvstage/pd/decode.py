@@ -174,7 +174,8 @@ class DecodeWorker:
                 "first, or use a new id"
             )
         remote_rid = remote_request_id or request_id
-        GroupedBlockIds(remote_block_ids, self.layout)  # validates before anything happens
+        if not self.any_pool_size:  # else against the prefill's pool, once handshaken
+            GroupedBlockIds(remote_block_ids, self.layout)  # validates before anything happens
         local, allocated = self.ids.claim(remote_block_ids, local_block_ids)
         try:
             runs = pair_runs(remote_block_ids, local)
@@ -189,6 +190,8 @@ class DecodeWorker:
         result.nbytes = int(runs[:, 2].sum()) * self.layout.block_bytes if runs.size else 0
         try:
             remote = self.connect(*remote_addr)
+            if self.any_pool_size:  # a prefill's pool may be larger or smaller than ours
+                GroupedBlockIds(remote_block_ids, remote.layout)
             if runs.shape[0] == 0:
                 return self._finish(result, None)
             lease = self.client(*remote_addr).call(

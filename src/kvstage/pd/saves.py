@@ -19,7 +19,7 @@ their copy seconds, raising the first error a copy raised; the worker calls it i
 must not read a block the engine reuses).
 
 `submit_runs` queues trusted ``(src, dst, n)`` runs instead of a plan (the vLLM
-connector's saves: `kvstage.integrations.vllm.chunk_saves`); `drain` waits for every queued
+connector's saves: `kvstage.pd.prompt_saves` plans them); `drain` waits for every queued
 save without taking any request's figures (before a READ writes host blocks a late save
 could still be copying into).
 

@@ -15,10 +15,9 @@ non-loopback address without a key unless ``insecure``.
 `send_raw` sends bytes a `SideChannelClient` would never produce (tests, benches, fuzzing)
 and returns the raw reply, or None when none comes within its bound.
 
-The same two sockets carry vLLM's NIXL handshake for `KVStageConnector`
-(`kvstage.integrations.vllm.secure_handshake`): the server's `poll_raw`/`send_frames` hand
-it unopened payloads and take its reply frames, the client's `exchange` is one bounded REQ
-round trip of bytes the caller sealed.
+The server's `poll_raw`/`send_frames` hand a caller unopened payloads and take its reply
+frames; the client's `exchange` is one bounded REQ round trip of bytes the caller sealed
+(`send_raw` and the fuzz tests use them).
 """
 
 from __future__ import annotations

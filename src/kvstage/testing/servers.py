@@ -80,6 +80,7 @@ def make_decode(
     key: bytes | None = None,
     verify_checksum: bool = False,
     pipeline: bool = False,
+    any_pool_size: bool = False,
 ) -> DecodeWorker:
     """A decode role over kvstage's own cache, allocating local ids from its own pool."""
     eid = engine_id or f"decode-{os.urandom(4).hex()}"
@@ -88,7 +89,7 @@ def make_decode(
         host_layout=HostLayout(host_layout), read_timeout_s=read_timeout_s,
         handshake_timeout_s=handshake_timeout_s, engine_id=eid,
         pool=BlockPool(layout.num_blocks), key=key, verify_checksum=verify_checksum,
-        pipeline=pipeline,
+        pipeline=pipeline, any_pool_size=any_pool_size,
     )
 
 

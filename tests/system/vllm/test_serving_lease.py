@@ -1,11 +1,11 @@
 """A decode that reaches its request only after the prefill's lease has ended.
 
-vLLM 0.32.0 heartbeats a prefill only for requests already in the decode's scheduler; a
-request held up before that (here: the decode SIGSTOPped, as a stalled process or a backlog
-in front of the engine would) past ``kv_lease_duration`` finds its blocks freed, and after
-other traffic, refilled. Without kvstage's lease check (`kvstage.integrations.vllm.lease`)
-the decode READ them and answered 3 of 4 requests HTTP 200 with another request's tokens.
-Now each such request fails its KV load: ``fail`` -> an error, ``recompute`` -> the
+The decode renews a lease only for requests already in its scheduler; a request held up
+before that (here: the decode SIGSTOPped, as a stalled process or a backlog in front of the
+engine would) past ``kv_lease_duration`` finds its blocks freed, and after other traffic,
+refilled. A READ of them would give another request's tokens (vLLM's own host path
+answered 3 of 4 requests HTTP 200 so). The prefill's Acquire refuses a request it no longer
+holds, so each such request fails its KV load: ``fail`` -> an error, ``recompute`` -> the
 reference tokens. Long (KVSTAGE_LONG_SERVING=1): it starts its own small-pool 1P1D
 deployment per policy.
 """
@@ -114,7 +114,7 @@ def test_decode_paused_past_the_lease_gets_no_foreign_tokens(
     # vllm-router 0.1.17 may lose a request sent while the decode was stopped (its
     # connection reset on resume): that one never reaches the decode's engine
     resets = sum("Decode request failed" in (r.error or "") for r in results)
-    refused = log_count(decode, "kvstage lease check: not reading request")
+    refused = log_count(decode, "refused Acquire: request")  # its lease had ended
     report(f"{policy}: decode paused past the lease", f"{len(foreign)} of {len(prompts)} "
            f"HTTP 200 with other tokens, {exact} with the reference tokens, {internal} load "
            f"failure errors, {resets} router connection resets; the decode refused "

@@ -24,7 +24,7 @@ pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs n
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import GET_META_MSG  # noqa: E402
 
-from kvstage.errors import PeerError  # noqa: E402
+from kvstage.errors import KVStageError, PeerError  # noqa: E402
 from kvstage.pd import auth  # noqa: E402
 from kvstage.pd import messages as m  # noqa: E402
 from kvstage.pd.side_channel import SideChannelClient, send_raw  # noqa: E402
@@ -103,7 +103,8 @@ def test_no_agent_metadata_without_the_key(prefill: tuple[VLLMEngine, int]) -> N
     # kvstage's, without the key or with another: refused, saying why, no metadata
     with pytest.raises(PeerError, match="carries no MAC: this peer requires the shared key"):
         _meta(port, None)
-    with pytest.raises(PeerError, match="wrong MAC: the keys differ"):
+    # another key: the prefill refuses, and its sealed refusal does not open under this key
+    with pytest.raises(KVStageError, match="wrong MAC: the keys differ"):
         _meta(port, b"another-key-" + b"9" * 20)
     assert _meta(port, KEY.encode()).agent_metadata  # with the key: the metadata
 
@@ -210,8 +211,8 @@ def test_keyed_pd_identical_to_single_engine_and_frees_the_blocks(
 
 
 @pytest.mark.parametrize(("decode_key", "says"), [
-    ("a-wrong-key-" + "3" * 24, "refused GetMeta: side-channel message has a wrong MAC: "
-     "the keys differ"),
+    ("a-wrong-key-" + "3" * 24, "its KV load failed on rank 0: unauthorized: Unauthorized: "
+     "side-channel message has a wrong MAC: the keys differ"),
     (None, "refused GetMeta: side-channel message carries no MAC: this peer requires the "
      "shared key"),
 ], ids=["wrong-key", "no-key"])

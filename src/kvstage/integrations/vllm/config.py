@@ -3,13 +3,13 @@
 Contract
 --------
 - `KVStageConfig.parse(extra, ...)`: ``kv_connector_extra_config`` (a mapping, or None) plus
-  the vLLM settings the connector reads (``kv_buffer_device``, ``enable_permute_local_kv``,
-  the instance's TP x PP ``world_size``) into one frozen object. Every bad value is
-  reported, one line each, in ONE `ValueError` (``kv_connector_extra_config key=value:
-  expected ...``); an unknown ``kvstage_*`` key is refused with the list of known ones;
-  ``kvstage_merge_reads`` is refused as removed. Keys vLLM itself reads are left to it,
-  except ``kv_lease_duration``, parsed here with vLLM's default (30) so that the prefill's
-  lease stamp and the decode's margin use one value.
+  the vLLM settings the connector reads (``kv_buffer_device``, ``enable_permute_local_kv``)
+  into one frozen object. Every bad value is reported, one line each, in ONE `ValueError`
+  (``kv_connector_extra_config key=value: expected ...``); an unknown ``kvstage_*`` key is
+  refused with the list of known ones; a removed key (`REMOVED`) is refused saying why.
+  Keys vLLM itself reads are left to it, except ``kv_lease_duration``, parsed here with
+  vLLM's default (30): the prefill's lease, the decode's heartbeat period (a third of it)
+  and its handshake and READ bounds (half of it).
 - `KVStageConfig.from_vllm(vllm_config)`: the same from a ``VllmConfig`` (read by attribute:
   importing this module never imports vLLM). The connector builds it once per role
   object (scheduler, worker) and hands it to the pieces.
@@ -25,7 +25,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvstage.integrations.vllm.quiet import POLL_MS
 from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 
 #: the NIXL progress thread's wait when idle, in the connector (the CLI roles keep 1 ms).
@@ -35,12 +34,14 @@ from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 #: READ unchanged (BENCHMARKS "The connector's cost per engine step")
 PROGRESS_DELAY_US = 20_000
 LEASE_DEFAULT_S = 30  # vLLM's default kv_lease_duration (NixlBaseConnectorScheduler)
-LEASE_SLACK_S = 2.0  # the handshake offset's error plus the READ's start, beyond a heartbeat
-MAX_QUIET_POLL_MS = 10_000
 REMOVED = {
-    "kvstage_merge_reads": "kvstage_merge_reads was removed: NIXL merges vLLM's per-block "
-                           "READ descriptors itself, at a third of the posting cost "
-                           "(BENCHMARKS.md \"Inside vLLM\"); drop the key",
+    "kvstage_merge_reads": "kvstage_merge_reads was removed: a READ posts one descriptor per "
+                           "run of blocks already; drop the key",
+    "kvstage_quiet_poll_ms": "kvstage_quiet_poll_ms was removed: the connector does no work "
+                             "in a step that carries none, on every step; drop the key",
+    "kvstage_lease_margin_s": "kvstage_lease_margin_s was removed: the prefill decides on its "
+                              "own clock (the decode's Acquire renews the lease or is "
+                              "refused), no margin is guessed; drop the key",
 }
 
 #: (key, type, default, range, meaning): the README table
@@ -51,10 +52,8 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
      "the shared key (or KVSTAGE_KEY): seals the handshake, capabilities on notifications"),
     ("kvstage_allow_unauthenticated", "bool", "false", "true/false",
      "run without a key on a non-loopback side channel"),
-    ("kvstage_verify_checksum", "bool", "false", "true/false; TP = PP = 1",
-     "xxh3-64 of each block, prefill to decode, checked before the h2d"),
-    ("kvstage_lease_margin_s", "float", "kv_lease_duration // 6 + 2", ">= 0, finite",
-     "decode: no READ of blocks whose prefill lease ends within this many seconds"),
+    ("kvstage_verify_checksum", "bool", "false", "true/false",
+     "xxh3-64 of each block, per rank, prefill to decode, checked before the h2d"),
     ("kvstage_progress_delay_us", "int", str(PROGRESS_DELAY_US),
      f"0..{MAX_PROGRESS_DELAY_US}", "NIXL progress-thread sleep when idle (0: busy poll)"),
     ("kvstage_log_reads", "bool", "false", "true/false",
@@ -65,11 +64,9 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
     ("kvstage_time_hooks", "bool", "false", "true/false",
      "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total; a "
      "diagnostic: a wrapper per hook call)"),
-    ("kvstage_quiet_poll_ms", "int", str(POLL_MS), f"0..{MAX_QUIET_POLL_MS}",
-     "worker: steps with no transfer skip vLLM's NIXL bookkeeping, run at least this often "
-     "(a step later after a pause; 0: every step, as vLLM)"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
-     "prefill: seconds a finished request's blocks are held for the decode (vLLM's key)"),
+     "prefill: seconds a finished request's blocks are held for the decode, renewed by the "
+     "decode's heartbeat up to 4 leases; the decode's handshake and READ bound: half of it"),
 )
 KNOWN = tuple(k for k, *_ in KEYS if k.startswith("kvstage_"))
 
@@ -94,18 +91,15 @@ class KVStageConfig:
     key_file: str | None = None
     allow_unauthenticated: bool = False
     verify_checksum: bool = False
-    lease_margin_s: float = LEASE_DEFAULT_S // 6 + LEASE_SLACK_S
     progress_delay_us: int = PROGRESS_DELAY_US
     log_reads: bool = False
     save_by_chunk: bool = True
     time_hooks: bool = False
-    quiet_poll_ms: int = POLL_MS
     lease_duration_s: float = float(LEASE_DEFAULT_S)
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, *, kv_buffer_device: str = "cpu",
-              permute_local_kv: bool = False, world_size: int = 1,
-              checksum_any_tp: bool = False) -> KVStageConfig:
+              permute_local_kv: bool = False) -> KVStageConfig:
         extra = dict(extra or {})
         bad: list[str] = []
 
@@ -139,19 +133,9 @@ class KVStageConfig:
             else:
                 lease = number
         out["lease_duration_s"] = lease
-        out["lease_margin_s"] = int(lease) // 6 + LEASE_SLACK_S
-        if "kvstage_lease_margin_s" in extra:
-            number = _number(extra["kvstage_lease_margin_s"], 0.0)
-            if number is None:
-                refuse("kvstage_lease_margin_s", f"a number of seconds >= 0 (leave it out "
-                       f"for kv_lease_duration // 6 + {LEASE_SLACK_S:g})")
-            else:
-                out["lease_margin_s"] = number
         for key, field, high, unit in (
                 ("kvstage_progress_delay_us", "progress_delay_us", MAX_PROGRESS_DELAY_US,
-                 "microseconds; 0: NIXL's busy poll"),
-                ("kvstage_quiet_poll_ms", "quiet_poll_ms", MAX_QUIET_POLL_MS,
-                 "milliseconds; 0: vLLM's bookkeeping in every step")):
+                 "microseconds; 0: NIXL's busy poll"),):
             if key in extra:
                 value = extra[key]
                 if isinstance(value, bool) or not isinstance(value, int) or not (
@@ -169,24 +153,18 @@ class KVStageConfig:
             bad.append(f"kv_buffer_device={kv_buffer_device!r}: expected 'cpu' (KVStageConnector "
                        "stages KV through host memory; use NixlConnector for device-to-device)")
         if permute_local_kv:
-            bad.append("enable_permute_local_kv=True: expected false (KVStageConnector keeps "
-                       "the host layout equal to the device layout; no heterogeneous TP permute)")
-        if out.get("verify_checksum") and world_size != 1 and not checksum_any_tp:
-            bad.append(f"kv_connector_extra_config kvstage_verify_checksum=True: expected one "
-                       f"worker per instance (TP = PP = 1), this instance has {world_size}")
+            bad.append("enable_permute_local_kv=True: expected false (vLLM's heterogeneous-TP "
+                       "permute is NixlConnector's; KVStageConnector does not use it)")
         if bad:
             raise ValueError("KVStageConnector: " + "\n".join(bad))
         return cls(**out)
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, *, checksum_any_tp: bool = False) -> KVStageConfig:
-        """From vLLM's ``VllmConfig`` (its ``kv_transfer_config`` and parallel sizes);
-        ``checksum_any_tp``: the pd/-based connector digests per rank, at any TP."""
+    def from_vllm(cls, vllm_config: Any) -> KVStageConfig:
+        """From vLLM's ``VllmConfig`` (its ``kv_transfer_config``)."""
         kv = vllm_config.kv_transfer_config
         assert kv is not None
         return cls.parse(
             kv.kv_connector_extra_config, kv_buffer_device=kv.kv_buffer_device,
             permute_local_kv=bool(getattr(kv, "enable_permute_local_kv", False)),
-            world_size=int(vllm_config.parallel_config.world_size),
-            checksum_any_tp=checksum_any_tp,
         )

@@ -1,266 +1,273 @@
-"""`KVStageConnector`: vLLM's NIXL connector with kvstage's host buffers and copy.
+"""`KVStageConnector` on vLLM's public connector API, with kvstage's pd/ roles as its engine.
 
 Contract
 --------
-Loaded by vLLM (both the prefill and the decode instance must load it)::
+Loaded by vLLM on both instances of a P/D pair::
 
     --kv-transfer-config '{"kv_connector": "KVStageConnector",
         "kv_connector_module_path": "kvstage.integrations.vllm",
-        "kv_role": "kv_producer" | "kv_consumer", "kv_buffer_device": "cpu"}'
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_buffer_device": "cpu"}'
 
-What it changes on vLLM's host-buffer path (``kv_buffer_device: "cpu"``), nothing else:
-- Host buffers: ONE host allocation per physical device KV storage (pinned on CUDA), every
-  layer name a view of it with its device view's offset, shape and strides
-  (`host_buffers.mirror_host_buffers`). Layers of different KV cache groups alias on the host
-  exactly as on the device, so host memory equals the device pool (vLLM: one buffer per layer
-  name, about groups x the pool), and vLLM's registration, which keeps one NIXL region per
-  base address and one registration per storage, registers each physical tensor once.
-  With vLLM's per-layer buffers a READ fills each region for its own group's blocks only,
-  then the h2d writes every layer name into the aliased device views and the last writer
-  (a layer whose buffer never got those blocks) wins: wrong tokens on hybrid models.
-- d2h/h2d: kvstage's `CopyEngine` (`copies.EngineCopyOp`, over ``KVCache.wrap_layers`` of
-  the device tensors and ``HostBuffer.wrap_layers`` of the mirrored host ones, ids trusted:
-  vLLM allocated them): one ``copy_`` per run of consecutive block ids for every physical
-  tensor at once, installed instead of vLLM's per-layer-name ``copy_kv_blocks``.
-- ``kvstage_log_reads: true`` logs every READ's NIXL figures (`stats.log_reads`).
-- State hybrids (Mamba1/2, gated delta net, short conv, linear attention: vLLM's
-  ``MambaSpec`` groups beside attention, `state`): every layer is addressed as pages of
-  vLLM's LOGICAL block ids (state layers arrive as int8 views strided by the padded page,
-  attention possibly in kernel blocks), the d2h/h2d copy those ids (``save_kv_to_host`` and
-  ``sync_recved_kv_to_device`` replaced: vLLM flattens kernel and state ids, two index
-  spaces), a state slot is saved after the prompt's last chunk (below). Any other spec,
-  and a Mamba model without ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, is refused at start in one
-  line naming it and the fix.
-- Chunked prefill (`prompt_saves`, `chunk_saves`): each step saves the attention blocks it
-  COMPLETED that the transfer keeps, queued on a background copy (a CUDA copy stream, or a
-  CPU thread) while later chunks compute; the prompt's last step saves the rest (the
-  blocks its chunk touched, state slots) and waits for all of them before the request's
-  params leave. vLLM saves each step's new blocks, so a block a chunk boundary cut in two
-  would keep its first part's bytes only. ``kvstage_save_by_chunk: false``: the whole
-  prompt in its last step.
-- Handshake: the compatibility hash carries ``kvstage<N>:``; the decode side refuses a
-  prefill peer whose hash lacks it, saying the peer does not run kvstage (a plain NIXL peer
-  would read or serve per-layer buffers), and the check is always enforced. The decode asks
-  a new peer's hash (`remote_compat_hash`, bounded) before vLLM's handshake and refuses a
-  foreign one at once; when vLLM's handshake fails, it asks again to word the refusal: the
-  decision is on that hash, never on vLLM's error text.
-- Side channel and notifications (`secure`, `secure_handshake`): with a shared key
-  (``KVSTAGE_KEY``, or a file named by ``kvstage_key_file`` in ``kv_connector_extra_config``)
-  the handshake is sealed with kvstage's HMAC envelope (a peer without the key gets a
-  refusal, no metadata; a decode with another key is refused, saying so), and a notification
-  frees (or a heartbeat extends) a request only with its capability, which the prefill hands
-  out inside ``kv_transfer_params["remote_request_id"]``. Notifications vLLM's parser would
-  crash on are dropped, with or without a key. Without a key, a non-loopback
-  ``VLLM_NIXL_SIDE_CHANNEL_HOST`` refuses to start unless
-  ``"kvstage_allow_unauthenticated": true``; loopback works as vLLM, logged once.
-- CPU placement: on a CPU platform vLLM's NIXL worker pins the worker thread to the
-  machine's last core of each NUMA node, over ``taskset`` and ``VLLM_CPU_OMP_THREADS_BIND``;
-  when that core is off the instance's CPUs the worker puts the thread back (else every
-  instance's forward shares one core: BENCHMARKS "vLLM's NIXL worker moved the prefill's
-  worker"); a move within them is vLLM's choice and is kept.
-- NIXL progress thread: vLLM's agent is created with a progress-thread delay
-  (``kvstage_progress_delay_us``, default 20 ms; nixl-cu12 1.5.1's wrapper hard-codes 0, a
-  core per worker busy-polling even when idle; `kvstage.transport.nixl_agent`).
-- ``kv_connector_extra_config: {"kvstage_force_host_buffer": true}`` turns the host path
-  on where vLLM's platform turns it off (device type "cpu": the KV already lives in DRAM),
-  on the worker and the scheduler side: it is how the path is tested without a GPU.
-- Checksum (`checksums`, opt-in: ``"kvstage_verify_checksum": true`` on both instances): the
-  prefill digests each saved block's host bytes (xxh3-64) and hands the digests to the decode
-  in ``kv_transfer_params["kvstage"]``; the decode hashes what its READ wrote before the h2d, and a
-  mismatch fails the request's KV load (vLLM's ``kv_load_failure_policy`` applies).
-- Lease check (`lease`, always on): the prefill hands out the end of its lease on a
-  request's blocks in ``kv_transfer_params["kvstage"]`` (``lease_expires``, its
-  ``perf_counter``); the decode does not start a READ whose lease ends within
-  ``kvstage_lease_margin_s`` (default ``kv_lease_duration // 6 + 2`` s) on its clock, as
-  vLLM's handshake offset maps it, and fails that request's KV load instead (vLLM's
-  ``kv_load_failure_policy`` applies): freed blocks may hold another request's KV.
-- Late bytes: vLLM 0.32.0 already keeps a READ's local blocks until NIXL reports it DONE or
-  failed and its handle is released (an aborted request's blocks are freed only then);
-  tests/system/vllm/test_vllm_late_bytes.py holds it to that, no quarantine is added.
-- Stats (`stats`): vLLM's NIXL KV connector stats plus each d2h/h2d copy's blocks, bytes,
-  seconds and failures (kvstage's copy op is metered where kvstage installs it), joined
-  when vLLM asks for the step's stats, so the periodic "KV Transfer metrics" log and
-  ``/metrics`` (``vllm:kvstage_*``) show them.
-- Hook times (`hook_time`, ``kvstage_time_hooks: true``): every per-step hook vLLM calls
-  here is timed (wall ns), the totals reach ``/metrics`` about once a second
-  (``vllm:kvstage_hook_seconds_total{hook}``, ``..._calls_total``): the connector's own cost
-  per engine step, on a running instance. Off by default, nothing is wrapped.
-- Quiet steps (`quiet`): a worker step whose metadata carries nothing for the connector,
-  with no READ or send of its own in flight, skips vLLM's NIXL bookkeeping
-  (``start_load_kv``, ``get_transfer_results``, the save, the load-error queue, vLLM's
-  stats); a scheduler build with no transfer-touching hook since the last one is an empty
-  metadata. A full pass still runs every ``kvstage_quiet_poll_ms`` (default 100; 0: every
-  step, as vLLM); ``vllm:kvstage_quiet_steps_total{side}`` counts the quiet ones.
-- Settings: `config.KVStageConfig`, parsed once per connector (README "Connector settings");
-  per-request fields: `request_params` (README "What travels per request").
+It derives from ``KVConnectorBase_V1`` and ``SupportsHMA`` only: no vLLM connector is
+subclassed, no vLLM function is copied or replaced at run time. The scheduler side
+(`scheduler.SchedulerSide`) speaks vLLM's P/D proxy protocol (``kv_transfer_params``:
+``do_remote_decode`` on the prefill, ``remote_block_ids``, ``remote_host`` and
+``remote_port`` on the decode), so vllm-router, vLLM's proxy and ``vllm bench serve`` work
+unchanged. The worker side (`worker.WorkerSide`) runs one rank's pd/ roles: each rank its
+own NIXL agent, host buffer and side channel (``VLLM_NIXL_SIDE_CHANNEL_PORT`` + DP rank x
+TP + TP rank, on ``VLLM_NIXL_SIDE_CHANNEL_HOST``); decode rank r reads prefill rank r
+(equal TP sizes; another size fails the load, saying so).
 
-Threads: copies run where vLLM calls them (the worker's step: ``wait_for_save``,
-``get_finished``), a prefill's earlier chunks' d2h on `chunk_saves`' copy thread or
-stream; this module starts no thread (vLLM's listener thread runs
-`secure_handshake.serve_handshake`, vLLM's handshake thread the sealed query).
+Settings: `kvstage.integrations.vllm.config.KVStageConfig` (``kv_connector_extra_config``);
+the ones this connector reads: ``kvstage_key_file`` (or ``KVSTAGE_KEY``),
+``kvstage_allow_unauthenticated``, ``kvstage_verify_checksum`` (per rank, any TP),
+``kvstage_progress_delay_us``, ``kvstage_save_by_chunk``, ``kv_lease_duration``.
 
-vLLM versions supported: 0.32.0 and 0.33.0 (sleep mode refused: ``supports_sleep_mode``
-False, ``unregister_kv_caches``/``restore_kv_caches`` raise). Every vLLM name the connector
-package uses is listed in `surface.SURFACE` and recorded per version in
-tests/integrations/test_vllm_surface.py (scripts/vllm_surface.py reads it from a wheel);
-README "The vLLM surface" lists each private name and runtime replacement with why, and
-tests/integrations/test_vllm_behaviour.py holds vLLM to the behaviour relied on.
+Refused at start, one line each: a layer kind kvstage cannot copy, a Mamba model without
+``VLLM_SSM_CONV_STATE_LAYOUT=DS``, pipeline parallelism, a group vLLM keeps out of
+transfers, a non-loopback side channel without a key (unless opted in), sleep mode.
+
+Threads: vLLM's threads call the hooks; the prefill role's one serving thread
+(`worker._Serving`).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlBaseConnector, NixlConnector
+from vllm.distributed.parallel_state import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.logger import init_logger
 
-from kvstage.integrations.vllm import checksums
 from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.hook_time import HOOK_KEY, HookClock, time_hooks
-from kvstage.integrations.vllm.quiet import QUIET_KEY, take
-from kvstage.integrations.vllm.scheduler import KVStageConnectorScheduler
-from kvstage.integrations.vllm.settings import HASH_PREFIX, KVSTAGE_PROTOCOL
-from kvstage.integrations.vllm.stats import (
-    KVStagePromMetrics,
-    KVStageStats,
-    log_reads,
-    with_copies,
-)
-from kvstage.integrations.vllm.worker import KVStageConnectorWorker, remote_compat_hash
+from kvstage.integrations.vllm.metadata import StepMeta
+from kvstage.integrations.vllm.scheduler import SchedulerSide
+from kvstage.integrations.vllm.secure import Security
+from kvstage.integrations.vllm.state import refuse_unservable
+from kvstage.integrations.vllm.stats import QUIET_KEY, KVStagePromMetrics, KVStageStats
+from kvstage.integrations.vllm.worker import WorkerSide
 from kvstage.pd.integrity import check_available
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
 
-__all__ = [
-    "HASH_PREFIX",
-    "KVSTAGE_PROTOCOL",
-    "SLEEP_MODE_REFUSAL",
-    "KVStageConnector",
-    "KVStageConnectorScheduler",
-    "KVStageConnectorWorker",
-    "remote_compat_hash",
-]
-
-# under "vllm." so the messages go where vLLM's own go
 logger = init_logger(f"vllm.{__name__}")
 
 SLEEP_MODE_REFUSAL = (
-    "KVStageConnector does not support vLLM's sleep mode (--enable-sleep-mode; vLLM 0.33.0 "
-    "asks connectors through supports_sleep_mode): releasing and restoring kvstage's host "
-    "buffers, their NIXL registration and its copy op across a sleep is not implemented, "
-    "as it cannot be tested without a GPU (vLLM's sleep needs its CUDA memory pool). Start "
-    "the instance without --enable-sleep-mode"
+    "KVStageConnector does not support vLLM's sleep mode (--enable-sleep-mode): releasing "
+    "and restoring kvstage's host buffers and their NIXL registration across a sleep is not "
+    "implemented. Start the instance without --enable-sleep-mode"
 )
 
 
-class KVStageConnector(NixlConnector):
-    """vLLM's NIXL (pull) connector with kvstage's host-buffer side; see the module doc."""
+def side_channel_address(env: Mapping[str, str]) -> tuple[str, int]:
+    """The instance's side channel: the variables and defaults vLLM's NIXL connector uses
+    (``VLLM_NIXL_SIDE_CHANNEL_HOST``, default localhost; ``VLLM_NIXL_SIDE_CHANNEL_PORT``,
+    default 5600), so a deployment moves between the two connectors unchanged."""
+    host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or "localhost"
+    text = env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or "5600"
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"KVStageConnector: VLLM_NIXL_SIDE_CHANNEL_PORT={text!r}: expected a "
+                         "port 1..65535 (rank r of the instance listens on it + r)")
+    return host, port
 
-    def __init__(
-        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
-    ) -> None:
-        # NixlConnector.__init__ would build vLLM's own worker (a NIXL agent and a side
-        # channel) only for it to be replaced: start from the base class instead.
-        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
-        assert self.engine_id is not None
-        self.kvstage_config = KVStageConfig.from_vllm(vllm_config)  # once: refuses bad values
-        if self.kvstage_config.verify_checksum:
+
+def _refuse_setup(vllm_config: Any, kv_cache_config: Any) -> None:
+    refuse_unservable(vllm_config, kv_cache_config)
+    pp = int(vllm_config.parallel_config.pipeline_parallel_size)
+    if pp != 1:
+        raise ValueError(f"KVStageConnector: pipeline_parallel_size={pp}: expected 1 "
+                         "(tensor parallelism is supported, pipeline parallelism is not)")
+    groups = kv_cache_config.kv_cache_groups
+    kept = [g for g in groups if getattr(g, "enable_kv_transfer", True)]
+    if len(kept) != len(groups):
+        raise ValueError(f"KVStageConnector: vLLM keeps {len(groups) - len(kept)} of "
+                         f"{len(groups)} KV cache groups out of transfers; kvstage moves "
+                         "every group: serve this model with vLLM's own connector")
+
+
+class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM's connector interface onto kvstage's pd/ roles (module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.vllm_config, self.kv_cache_config = vllm_config, kv_cache_config
+        self.step_meta: StepMeta | None = None  # the step's, between bind and clear
+        self.kvstage_config = config = KVStageConfig.from_vllm(vllm_config)
+        _refuse_setup(vllm_config, kv_cache_config)
+        if config.verify_checksum:
             check_available()  # the install hint now, not at the first request
-        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times
-        # (vllm:kvstage_hook_seconds_total: the connector's own cost per step)
-        self.kvstage_clock = HookClock(side)
-        if self.kvstage_config.time_hooks:
-            time_hooks(self, self.kvstage_clock)
+        kv = vllm_config.kv_transfer_config
+        assert kv is not None and kv.engine_id is not None
+        host, port = side_channel_address(os.environ)
+        security = Security.from_config(config, side_channel_host=host)
+        parallel = vllm_config.parallel_config
+        tp = int(parallel.tensor_parallel_size)
+        base_port = port + int(parallel.data_parallel_rank) * tp
+        self.scheduler_side: SchedulerSide | None = None
+        self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.connector_scheduler = KVStageConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
-            )
+            self.scheduler_side = SchedulerSide(
+                vllm_config, kv_cache_config, engine_id=kv.engine_id, key=security.key,
+                host=host, port=base_port, save_by_chunk=config.save_by_chunk,
+                lease_s=config.lease_duration_s)
         elif role == KVConnectorRole.WORKER:
-            self.connector_worker = KVStageConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, self.kvstage_config
-            )
+            rank = get_tensor_model_parallel_rank()
+            self.worker_side = WorkerSide(
+                engine_id=kv.engine_id, rank=rank,
+                tp_size=get_tensor_model_parallel_world_size(),
+                producer=bool(kv.is_kv_producer), consumer=bool(kv.is_kv_consumer),
+                key=security.key, host=host, port=base_port + rank,
+                allow_unauthenticated=config.allow_unauthenticated,
+                verify_checksum=config.verify_checksum, lease_s=config.lease_duration_s,
+                progress_delay_us=config.progress_delay_us, logger=logger,
+                log_reads=config.log_reads)
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
+        # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times
+        self.clock = HookClock("worker" if self.worker_side is not None else "scheduler")
+        if config.time_hooks:
+            time_hooks(self, self.clock)
 
-    def build_connector_worker_meta(self) -> checksums.ChecksumMeta | None:
-        worker = self.connector_worker
-        return None if worker is None else worker._kvstage_checksums.worker_meta()
-
-    def get_kv_connector_stats(self) -> KVStageStats | None:
-        # about once a second (hook_time.py), on both sides: the steps quiet since the last
-        # time (quiet.py) and, when timed, the hooks' times
-        clock = self.kvstage_clock
-        worker, scheduler = self.connector_worker, self.connector_scheduler
-        timed: dict[str, list[list[Any]]] = {}
-        if clock.due():
-            quiet = take(worker.kvstage_quiet if worker is not None
-                         else scheduler.kvstage_quiet)
-            hooks = clock.take()
-            if quiet:
-                timed[QUIET_KEY] = [[clock.side, quiet]]
-            if hooks:
-                timed[HOOK_KEY] = hooks
-        if worker is None or not worker.kvstage_quiet.stats_due():
-            # the scheduler side, or a worker whose steps since the last call were quiet
-            # (quiet.py: no bookkeeping, no copy ran; a copy thread's late figures wait
-            # for the next full step)
-            if not timed:
-                return None
-            stats = KVStageStats()  # vLLM's keys too: its is_empty reads them
-            stats.data.update(timed)
-            return stats
-        nixl = worker.get_kv_connector_stats()  # vLLM's figures of the step (and a reset)
-        if self.kvstage_config.log_reads:
-            log_reads(nixl, logger)
-        for key, entries in timed.items():
-            worker.kvstage_copies.data[key].extend(entries)
-        return with_copies(nixl, worker.kvstage_copies)
-
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        worker = self.connector_worker
-        if worker is not None and not worker.kvstage_quiet.step_is_full():
-            return KVConnectorTransferResults()  # a quiet step: nothing can have finished
-        results = super().get_transfer_results(finished_req_ids)
-        if worker is not None:  # checksum mismatches: finished, and failed (no h2d ran)
-            results.failed_recving |= worker.take_failed(results.finished_recving)
-            worker.kvstage_quiet.reported(results.finished_sending, results.finished_recving,
-                                          results.failed_recving)
-        return results
-
-    # quiet steps (quiet.py): no save was planned, no load can have failed
-    def wait_for_save(self) -> None:
-        worker = self.connector_worker
-        if worker is None or worker.kvstage_quiet.step_is_full():
-            super().wait_for_save()
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        worker = self.connector_worker
-        if worker is not None and not worker.kvstage_quiet.step_is_full():
-            return set()
-        return super().get_block_ids_with_load_errors()
+    # -- stats ---------------------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This side's figures since the last call (`stats`): the copies and READs when
+        there are any, the hook times and quiet steps about once a second."""
+        side = self.worker_side or self.scheduler_side
+        assert side is not None
+        stats = self.worker_side.take_stats() if self.worker_side is not None else None
+        if self.clock.due():
+            hooks, quiet = self.clock.take(), side.quiet_steps
+            side.quiet_steps = 0
+            if hooks or quiet:
+                stats = stats or KVStageStats()
+                if hooks:
+                    stats.data[HOOK_KEY] = hooks
+                if quiet:
+                    stats.data[QUIET_KEY] = [[self.clock.side, quiet]]
+        return stats
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVStageStats:
-        return KVStageStats(data=data) if data is not None else KVStageStats()
+        return KVStageStats(data=data or {})
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> KVStagePromMetrics:
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVStagePromMetrics:
         return KVStagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    # vLLM 0.33.0: sleep mode is refused (README "vLLM versions"); vLLM raises on False
+    # -- worker side -------------------------------------------------------------------------
+    def _worker(self) -> WorkerSide:
+        assert self.worker_side is not None, "a worker hook called on the scheduler side"
+        return self.worker_side
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMeta), type(connector_metadata)
+        self.step_meta = connector_metadata
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self.step_meta = None
+
+    def _meta(self) -> StepMeta:
+        assert self.step_meta is not None, "a step hook called outside a step"
+        return self.step_meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        config = self.kv_cache_config
+        groups = [(list(g.layer_names), g.kv_cache_spec) for g in config.kv_cache_groups]
+        model = str(self.vllm_config.model_config.model)
+        cache = self._worker().register(kv_caches, groups, int(config.num_blocks), model)
+        logger.info("kvstage: rank %d: %d layer names over %d physical tensors, host buffer "
+                    "%d bytes (block-major), side channel %s:%d", self._worker().rank,
+                    len(kv_caches), cache.layout.num_tensors, cache.layout.pool_bytes,
+                    self._worker().host, self._worker().port)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker().load(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # the READ and its h2d complete before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saved per step, after the forward (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        self._worker().save(self._meta())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._worker().results(finished_req_ids, self._meta())
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending, results.finished_recving
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.close()
+
+    # -- scheduler side ----------------------------------------------------------------------
+    def _scheduler(self) -> SchedulerSide:
+        assert self.scheduler_side is not None, "a scheduler hook called on a worker"
+        return self.scheduler_side
+
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler().on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler().num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self._scheduler().after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> StepMeta:
+        return self._scheduler().build(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, (list(block_ids),))
+
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler().request_finished(request, block_ids)
+
+    # -- sleep mode: refused -----------------------------------------------------------------
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
         logger.error(SLEEP_MODE_REFUSAL)
@@ -271,3 +278,6 @@ class KVStageConnector(NixlConnector):
 
     def restore_kv_caches(self) -> None:
         raise RuntimeError(SLEEP_MODE_REFUSAL)
+
+
+__all__ = ["KVStageConnector"]

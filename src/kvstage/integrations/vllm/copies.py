@@ -1,4 +1,4 @@
-"""The connector's d2h and h2d: vLLM's ``CopyBlocksOp`` over kvstage's `CopyEngine`.
+"""The device side of the connector's d2h and h2d: vLLM's KV tensors as a kvstage `KVCache`.
 
 Contract
 --------
@@ -6,31 +6,19 @@ Primitives (torch only: importing this module never imports vLLM):
 - `kvstage_groups(groups, device_caches)`: vLLM's KV cache groups (``(layer_names, spec)``
   with vLLM's spec objects, read by attribute) as kvstage groups, the block size taken
   from the tensors (kernel blocks: what the ids passed to the op count in).
-- `EngineCopyOp(device_caches, host_caches, groups)`: one `CopyEngine` over
-  ``KVCache.wrap_layers`` of vLLM's device tensors and ``HostBuffer.wrap_layers`` of the
-  mirrored host tensors (`host_buffers.mirror_host_buffers`: same offsets, strides and
-  aliasing, so host bytes equal the device pool and NIXL reads host bytes as the peer's
-  device layout). Every layer is addressed as raw ``[num_blocks, page_elems]`` rows of
-  its storage, so a layout that permutes the dims inside a block (vLLM's LBNHC view)
-  copies the same bytes. The engine copies every physical tensor per run of blocks: one
-  ``copy_`` per run when the tensors are evenly spaced in one backing buffer (vLLM 0.32.0
-  allocates them so), else one per run per physical tensor.
-- ``op(src_caches, dst_caches, src_block_ids, dst_block_ids, direction)``: vLLM's
-  ``CopyBlocksOp`` signature. vLLM 0.32.0 calls it from ``save_kv_to_host`` (d2h, device
-  -> host) and ``sync_recved_kv_to_device`` (h2d) with the worker's two dicts and one
-  list twice: the request's groups concatenated, kernel block ids, the null block 0
-  padding sliding-window groups. The ids are trusted (vLLM's scheduler allocated them; an
-  id out of range still fails in torch's ``narrow``, before that run's copy): they go
-  straight to runs (`kvstage.plan.runs_of_ids`: the runs ``GroupedBlockIds(...,
-  trusted=True)`` + ``plan_copy`` give, without building either; the per-group split is
-  gone by then and planning needs only the id set) and to ``CopyEngine.copy_runs``.
-  Different src and dst ids, other dicts or another direction: ``ValueError`` before a
-  byte moves (vLLM 0.32.0 never passes them).
+- `page_rows(name, tensor, num_blocks, dtype)`: one layer as raw ``[num_blocks,
+  page_elems]`` rows of its storage, so a layout that permutes the dims inside a block
+  (vLLM's LBNHC view) copies the same bytes; state layers (int8 views strided by the
+  padded page) as whole pages.
+- `wrap_vllm_caches(kv_caches, groups, num_blocks)`: the `KVCache` the connector's pd/
+  roles copy with (kvstage's `CopyEngine`: one ``copy_`` per run of blocks for every
+  physical tensor at once when they are evenly spaced in one backing buffer, as vLLM
+  0.32.0 allocates them, else one per run per tensor), against a block-major host
+  buffer of the same bytes as the device pool.
+- `unsupported(spec, model)` and `saved_by_chunk(spec)`: which vLLM specs kvstage copies,
+  and which are saved chunk by chunk.
 
-Ownership: vLLM owns the device tensors, the host tensors belong to the connector's
-host-buffer dict; the op keeps views of both, no copy. Threads: one caller at a time
-(vLLM's worker step), as `CopyEngine`. CUDA: ``direct`` copies, non-blocking from pinned
-memory, one synchronisation per call (vLLM's host path expects the copy done on return).
+Ownership: vLLM owns the device tensors; the cache keeps views of them, no copy.
 """
 
 from __future__ import annotations
@@ -41,8 +29,7 @@ from typing import Any
 
 import torch
 
-from kvstage.cache import HostBuffer, KVCache, layout_from_layers
-from kvstage.engine import CopyEngine, Direction
+from kvstage.cache import KVCache, layout_from_layers
 from kvstage.layout import (
     DTYPES,
     FullAttentionSpec,
@@ -53,7 +40,6 @@ from kvstage.layout import (
     dtype_name,
     storage_dtype,
 )
-from kvstage.plan import runs_of_ids
 
 
 def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
@@ -191,74 +177,17 @@ def kvstage_groups(
     return out
 
 
-class EngineCopyOp:
-    """vLLM's ``CopyBlocksOp`` for the connector: one `CopyEngine` does both directions."""
-
-    def __init__(
-        self,
-        device_caches: Mapping[str, torch.Tensor],
-        host_caches: Mapping[str, torch.Tensor],
-        groups: Sequence[tuple[Sequence[str], KVSpec]],
-        num_blocks: int | None = None,
-    ) -> None:
-        names = [n for g, _ in groups for n in g]
-        if num_blocks is None:
-            num_blocks = int(device_caches[names[0]].shape[0])
-        dtype = DTYPES[storage_dtype(spec for _, spec in groups)]
-        device = {n: page_rows(n, device_caches[n], num_blocks, dtype) for n in names}
-        host = {n: page_rows(n, host_caches[n], num_blocks, dtype) for n in names}
-        for n in names:
-            d, h = device_caches[n], host_caches[n]
-            if (d.shape, d.stride(), d.dtype) != (h.shape, h.stride(), h.dtype):
-                raise ValueError(
-                    f"layer {n!r}: device {list(d.shape)} {d.dtype} stride {list(d.stride())}"
-                    f", host {list(h.shape)} {h.dtype} stride {list(h.stride())}; build the "
-                    "host side with mirror_host_buffers"
-                )
-        self.layout = layout_from_layers(device, [(list(g), s) for g, s in groups])
-        self.engine = CopyEngine(
-            KVCache.wrap_layers(self.layout, device),
-            HostBuffer.wrap_layers(self.layout, host),
-            mode="direct",
-        )
-        self._device, self._host = device_caches, host_caches
-        #: bytes one block id moves over every physical tensor (what the stats count)
-        self.block_bytes = self.layout.block_bytes
-
-    def __call__(
-        self,
-        src_caches: Mapping[str, torch.Tensor],
-        dst_caches: Mapping[str, torch.Tensor],
-        src_block_ids: list[int],
-        dst_block_ids: list[int],
-        direction: str,
-    ) -> None:
-        if direction == "d2h":
-            how, dev, hst = Direction.D2H, src_caches, dst_caches
-        elif direction == "h2d":
-            how, dev, hst = Direction.H2D, dst_caches, src_caches
-        else:
-            raise ValueError(f"direction must be 'h2d' or 'd2h', got {direction!r}")
-        if dev is not self._device or hst is not self._host:
-            self._check_caches(dev, hst, direction)
-        if src_block_ids is not dst_block_ids and src_block_ids != dst_block_ids:
-            raise ValueError(
-                "the connector's host buffer mirrors the device block for block: src and "
-                f"dst ids must be equal, got {list(src_block_ids)[:8]} and "
-                f"{list(dst_block_ids)[:8]}"
-            )
-        # trusted ids straight to runs, then the engine's direct copies (see runs_of_ids)
-        self.engine.copy_runs(runs_of_ids(src_block_ids), how)
-
-    def _check_caches(
-        self, dev: Mapping[str, torch.Tensor], hst: Mapping[str, torch.Tensor], direction: str
-    ) -> None:
-        """Other dict objects are accepted when they hold the same tensors."""
-        for mine, theirs, side in ((self._device, dev, "device"), (self._host, hst, "host")):
-            for name, t in mine.items():
-                other = theirs.get(name)
-                if other is None or other.data_ptr() != t.data_ptr() or other.shape != t.shape:
-                    raise ValueError(
-                        f"{direction}: the {side} caches passed are not the ones this op was "
-                        f"built over (layer {name!r}); build one EngineCopyOp per worker"
-                    )
+def wrap_vllm_caches(kv_caches: Mapping[str, torch.Tensor],
+                     groups: Sequence[tuple[Sequence[str], Any]], num_blocks: int,
+                     model: str = "") -> KVCache:
+    """vLLM's ``{layer: tensor}`` and KV cache groups (``(layer_names, vLLM spec)``) as the
+    `KVCache` the connector's roles copy from and to: every layer as ``[num_blocks,
+    page_elems]`` rows of LOGICAL block ids (`page_rows`: every group's ids index one
+    space), layers of different groups that share a tensor aliased as on the device. Its
+    host side is ``HostBuffer.for_device(cache.layout, cache.device)``: block-major, the
+    same bytes as the device pool."""
+    kv_groups = kvstage_groups(groups, kv_caches, num_blocks, model)
+    dtype = DTYPES[storage_dtype(spec for _, spec in kv_groups)]
+    names = [n for g, _ in kv_groups for n in g]
+    rows = {n: page_rows(n, kv_caches[n], num_blocks, dtype) for n in names}
+    return KVCache.wrap_layers(layout_from_layers(rows, kv_groups), rows)

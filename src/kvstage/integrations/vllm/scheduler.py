@@ -1,39 +1,61 @@
-"""`KVStageConnectorScheduler`: vLLM's NIXL scheduler side with kvstage's per-chunk saves,
-capabilities in the returned ``kv_transfer_params``, the sealed handshake listener and the
-per-request fields (`request_params`) handed to the decode and to the worker.
+"""The scheduler side of `KVStageConnector`: vLLM's P/D proxy protocol onto pd/'s roles.
 
-Contract and subclass surface: see `kvstage.integrations.vllm.connector`'s module doc and
-README "The vLLM surface". Only public connector hooks are overridden here, apart from the
-handshake listener: requests are tracked from ``update_state_after_alloc`` (not vLLM's
-private maps), and kvstage's save plan (`prompt_saves`: each chunk's completed blocks,
-the rest at the prompt's end) replaces the save entries of the metadata vLLM built
-(``build_connector_meta``). Threads: vLLM's listener thread runs
-`secure_handshake.serve_handshake`.
+Contract
+--------
+`SchedulerSide` runs in vLLM's engine core, one per instance, and never touches a byte of
+KV: it decides, and every worker rank carries out the same decision (`metadata.StepMeta`).
+
+Prefill (a request with ``kv_transfer_params["do_remote_decode"]``, as vLLM's proxy, the
+router and ``kvstage serve-pd`` send it):
+- each step saves the blocks the step completed (`kvstage.pd.prompt_saves`: attention
+  blocks chunk by chunk, state slots and the rest at the prompt's last step);
+- at the prompt's last step every rank holds the blocks under its lease, with the
+  request's capability (`metadata.capability_of`);
+- ``request_finished`` hands the decode the proxy protocol's fields (``remote_block_ids``,
+  ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port`` (rank 0's;
+  rank r listens on ``remote_port + r``), ``tp_size``) plus ``kvstage`` (the protocol
+  version and the capability), and keeps the blocks until every rank reports the request
+  freed (the decode's notification, a Release, or the lease: `kvstage.pd.prefill`).
+- State hybrids (Mamba, GDN, ...): the prefill computes the prompt less its last token and
+  the decode that token, as vLLM's own NIXL connector does (the state after N - 1 tokens
+  is what the decode continues from).
+
+Decode (``do_remote_prefill``): the prompt's tokens, less that last one for state hybrids,
+are loaded asynchronously; ``update_state_after_alloc`` turns the allocation into one
+`metadata.Load` per request (local ids as vLLM allocated them, each list clipped as the
+prefill clipped its own); a request that loads nothing (a full local prefix hit) or ends
+before its READ asks the prefill to release its blocks (``forgets``); one that waits for
+its READ (behind others, no free blocks) has the prefill's lease renewed every third of a
+lease (``heartbeats``). Parameters that
+cannot be loaded from (`parse_remote`: a prefill without kvstage, another protocol
+version, a malformed field) fail the load with that one line (``fails``): vLLM's
+``kv_load_failure_policy`` decides between an error and a local recompute.
+
+Threads: vLLM's engine-core thread calls every method. No socket, no thread here.
 """
 
 from __future__ import annotations
 
-import math
-import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
-    NixlConnectorMetadata,
-    NixlConnectorScheduler,
-)
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
-from kvstage.integrations.vllm import checksums, lease, request_params, secure, secure_handshake
-from kvstage.integrations.vllm.config import KVStageConfig
 from kvstage.integrations.vllm.copies import saved_by_chunk
-from kvstage.integrations.vllm.quiet import QuietBuilds
-from kvstage.integrations.vllm.request_params import RequestParams
+from kvstage.integrations.vllm.metadata import (
+    Ids,
+    Load,
+    Remote,
+    StepMeta,
+    capability_of,
+)
+from kvstage.pd.messages import PROTOCOL_VERSION
 from kvstage.pd.prompt_saves import PromptSaves
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -42,220 +64,223 @@ if TYPE_CHECKING:
 
 logger = init_logger(f"vllm.{__name__}")
 
-
-class KVStageConnectorMetadata(NixlConnectorMetadata):
-    """vLLM's NIXL metadata of one step plus kvstage's per-request fields, one typed field
-    (``requests``) instead of attributes set on vLLM's object. The views the worker pieces
-    read (``kvstage_leases``, ``kvstage_lease_extensions``, ``kvstage_checksums``) derive
-    from it. The prefill's saves: ``reqs_to_save`` holds what each request copies this
-    step; ``saves_final`` the requests whose prompt completed (the blocks the decode will
-    READ), ``saves_dropped`` those that ended before (`prompt_saves`, `chunk_saves`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: dict[str, RequestParams] = {}
-        self.saves_final: dict[str, list[list[int]]] = {}
-        self.saves_dropped: set[str] = set()
-
-    @classmethod
-    def of(cls, meta: NixlConnectorMetadata, requests: dict[str, RequestParams],
-           saves_final: dict[str, list[list[int]]] | None = None,
-           saves_dropped: set[str] | None = None) -> KVStageConnectorMetadata:
-        """``meta`` (vLLM's, as its scheduler built it) with kvstage's fields."""
-        out = cls()
-        out.__dict__.update(meta.__dict__)
-        out.requests = requests
-        out.saves_final = saves_final or {}
-        out.saves_dropped = saves_dropped or set()
-        return out
-
-    @property
-    def kvstage_leases(self) -> dict[str, float]:
-        return {r: p.lease_expires for r, p in self.requests.items()
-                if p.lease_expires is not None}
-
-    @property
-    def kvstage_lease_extensions(self) -> dict[str, float]:
-        return {r: p.lease_extension_s for r, p in self.requests.items()
-                if p.lease_extension_s is not None}
-
-    @property
-    def kvstage_checksums(self) -> dict[str, Any]:
-        return {r: RequestParams(checksums=p.checksums).encode().get("checksums")
-                for r, p in self.requests.items()}
+#: the ``kvstage`` entry of ``kv_transfer_params`` carries the side channel's protocol
+#: version (one wire version for both): a decode refuses another
+PROTOCOL = PROTOCOL_VERSION
+PARAMS_KEY = "kvstage"
+MAX_GROUP_BLOCKS = 1 << 20  # a prompt's blocks per group: far beyond any pool served here
+_DONE = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
 
-class QuietMetadata(KVStageConnectorMetadata):
-    """The metadata of a quiet step (`quiet`): empty, and pickled as its class alone. vLLM
-    pickles every step's metadata to the worker: an empty `KVStageConnectorMetadata` is
-    325 bytes and about 10 us to pickle and unpickle (BENCHMARKS "Quiet steps")."""
+def parse_remote(params: dict[str, Any], num_groups: int) -> tuple[Remote, Ids] | str:
+    """The prefill's address, capability and block ids from a decode request's
+    ``kv_transfer_params``, or why they cannot be used (one line)."""
+    try:
+        host, port = params["remote_host"], params["remote_port"]
+        tp_size = params.get("tp_size", 1)
+        rid, engine = params["remote_request_id"], params["remote_engine_id"]
+        ids = params["remote_block_ids"]
+    except (KeyError, TypeError) as e:
+        return f"kv_transfer_params lack {e}: is the prefill running KVStageConnector?"
+    ours = params.get(PARAMS_KEY)
+    if ours is None:
+        return (f"the prefill at {host}:{port} does not run kvstage's KV connector (its "
+                f"kv_transfer_params carry no {PARAMS_KEY!r} entry): serve prefill and decode "
+                "with KVStageConnector")
+    if not isinstance(ours, dict) or ours.get("v") != PROTOCOL:
+        got = ours.get("v") if isinstance(ours, dict) else ours
+        return (f"kv_transfer_params[{PARAMS_KEY!r}] is kvstage protocol {got!r}, expected "
+                f"{PROTOCOL}: run the same kvstage version on prefill and decode")
+    if not (isinstance(host, str) and host and isinstance(port, int) and 0 < port < 65536
+            and isinstance(tp_size, int) and 1 <= tp_size <= 64
+            and isinstance(rid, str) and rid and isinstance(engine, str)):
+        return "kv_transfer_params: remote_host/remote_port/tp_size/remote_request_id malformed"
+    try:
+        capability = bytes.fromhex(ours["capability"])
+    except (KeyError, TypeError, ValueError):
+        return "kv_transfer_params: the kvstage capability is missing or not hex"
+    if (not isinstance(ids, list | tuple) or len(ids) != num_groups or not all(
+            isinstance(g, list | tuple) and len(g) <= MAX_GROUP_BLOCKS
+            and all(isinstance(b, int) and b >= 0 for b in g) for g in ids)):
+        return (f"kv_transfer_params: remote_block_ids must be {num_groups} lists of block "
+                "ids (one per KV cache group): prefill and decode must serve the same model")
+    remote = Remote(host, port, tp_size, engine, rid, capability)
+    return remote, [list(g) for g in ids]
 
-    kvstage_quiet = True  # `quiet.carries_work` answers without reading the fields
 
-    def __reduce__(self) -> tuple[type[QuietMetadata], tuple[()]]:
-        return (QuietMetadata, ())
+class SchedulerSide:
+    """The connector's scheduler side (module doc)."""
 
+    def __init__(self, vllm_config: Any, kv_cache_config: KVCacheConfig, *, engine_id: str,
+                 key: bytes | None, host: str, port: int, save_by_chunk: bool,
+                 lease_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine_id, self.key, self.host, self.port = engine_id, key, host, port
+        self.beat_s, self.clock = lease_s / 3, clock
+        #: decode: requests waiting for their READ -> (prefill, last renewal)
+        self.waiting: dict[str, tuple[Remote, float]] = {}
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+        groups = kv_cache_config.kv_cache_groups
+        specs = [g.kv_cache_spec for g in groups]
+        self.num_groups = len(groups)
+        self.is_state = [type(s).__name__ == "MambaSpec" for s in specs]
+        # vLLM keeps a sliding window's last cdiv(window, block) + 1 blocks (its clip)
+        self.window_blocks = [
+            -(-int(s.sliding_window) // int(s.block_size)) + 1
+            if type(s).__name__ == "SlidingWindowSpec" else 0 for s in specs]
+        self.spec_blocks = [int(getattr(s, "num_speculative_blocks", 0) or 0) for s in specs]
+        #: tokens the prefill leaves to the decode: the state after N - 1 (state hybrids)
+        self.backoff = 1 if any(self.is_state) else 0
+        sizes = [int(s.block_size) if saved_by_chunk(s) else None for s in specs]
+        self.saves = PromptSaves(sizes, self.clip, by_chunk=save_by_chunk)
+        self.saving: dict[str, Request] = {}  # prefill: prompts being saved
+        self.final: dict[str, Ids] = {}  # prefill: held requests -> the ids handed out
+        self.step = StepMeta()  # what the next build hands the workers
+        self.quiet_steps = 0  # builds with nothing for the workers, since the last stats
 
-class KVStageConnectorScheduler(NixlConnectorScheduler):
-    """NIXL scheduler side: host path switchable on CPU, saves planned per chunk."""
+    # -- ids ------------------------------------------------------------------------------
+    def clip(self, ids: tuple[list[int], ...] | Ids) -> tuple[list[int], ...]:
+        """The blocks a transfer moves, per group: a sliding window's last blocks, a state
+        group's running slot (its speculative scratch slots dropped), all of the rest."""
+        out = []
+        for g, blocks in enumerate(ids):
+            blocks = list(blocks)
+            if self.window_blocks[g]:
+                blocks = blocks[-self.window_blocks[g]:]
+            elif self.is_state[g] and blocks:
+                scratch = min(self.spec_blocks[g], len(blocks) - 1)
+                blocks = (blocks[:-scratch] if scratch else blocks)[-1:]
+            out.append(blocks)
+        return tuple(out)
 
-    def __init__(
-        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
-        config: KVStageConfig | None = None,
-    ) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
-        self._kvstage = config or KVStageConfig.from_vllm(vllm_config)
-        self._kvstage_security = secure.Security.from_config(
-            self._kvstage, side_channel_host=self.side_channel_host
-        )
-        if self._kvstage.force_host_buffer:
-            self.use_host_buffer = True
-        # prefill: request id -> the request, while its prompt is being saved
-        self._kvstage_saving: dict[str, Request] = {}
-        self._kvstage_saves = PromptSaves(
-            _save_groups(kv_cache_config), lambda ids: self.get_exchange_clipped_blocks(
-                ids, clip_ssm=False), by_chunk=self._kvstage.save_by_chunk)
-        self._kvstage_dropped: set[str] = set()  # ended before their last save
-        # decode: request id -> its kvstage fields, for the step's metadata
-        self._kvstage_recv: dict[str, RequestParams] = {}
-        self._kvstage_checksums = checksums.SchedulerChecksums(self._kvstage.verify_checksum)
-        # prefill: params handed out this step whose digests come with the step's output
-        self._kvstage_unpacked: list[dict[str, Any]] = []
-        #: steps with no transfer build an empty metadata, not vLLM's (quiet.py)
-        self.kvstage_quiet = QuietBuilds(self._kvstage.quiet_poll_ms / 1000)
-
-    def _nixl_handshake_listener(
-        self,
-        encoded_data: dict[tuple[int, int], bytes],
-        ready_event: threading.Event,
-        stop_event: threading.Event,
-        host: str,
-        port: int,
-    ) -> None:
-        # vLLM's thread runs kvstage's listener: sealed with the key, refusing the rest
-        secure_handshake.serve_handshake(
-            encoded_data, ready_event, stop_event, host, port, key=self._kvstage_security.key
-        )
-
+    # -- vLLM's scheduler hooks ---------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        super().on_new_request(request)
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
-            self.kvstage_quiet.wait(request.request_id)  # vLLM heartbeats while it waits
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        params = request.kv_transfer_params or {}
-        rid = request.request_id
-        if params:
-            self.kvstage_quiet.touch()
-        if self.use_host_buffer and params.get("do_remote_decode"):
-            self._kvstage_saving[rid] = request  # (re)scheduled: blocks follow
-            self._kvstage_saves.add(rid)
-            # vLLM's per-chunk saves are replaced (`_plan_saves`): its scheduler does not
-            # track the request for saving at all (it would keep a request whose last chunk
-            # brought no new block, as vLLM 0.32.0 does: nothing removes it then)
-            self.use_host_buffer = False
-            try:
-                super().update_state_after_alloc(request, blocks, num_external_tokens)
-            finally:
-                self.use_host_buffer = True
+            parsed = parse_remote(params, self.num_groups)
+            if not isinstance(parsed, str):  # renewed while it waits (`heartbeats`)
+                self.waiting[request.request_id] = (parsed[0], self.clock())
             return
-        if params.get("do_remote_prefill") and num_external_tokens > 0:
-            self._kvstage_recv[rid] = self._decode_params(rid, params)
-        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if not (self.backoff and params and params.get("do_remote_decode")):
+            return
+        if params.get("_kvstage_truncated") or request.num_prompt_tokens <= self.backoff:
+            return
+        if request.prompt_token_ids is None:
+            return  # prompt embeddings: computed whole, as vLLM's connector leaves them
+        # The prefill computes N - 1 tokens: the decode continues from that state with the
+        # last token (vLLM's NIXL connector does the same; README "The vLLM surface").
+        del request.prompt_token_ids[-self.backoff:]
+        del request._all_token_ids[-self.backoff:]
+        request.num_prompt_tokens -= self.backoff
+        request.max_tokens = 1
+        params["_kvstage_truncated"] = True
 
-    @staticmethod
-    def _decode_params(rid: str, params: dict[str, Any]) -> RequestParams:
-        try:
-            return request_params.decode(params.get(request_params.KEY))
-        except ValueError as e:
-            logger.error("kvstage: request %s: %s; its KV load fails", rid, e)
-            return RequestParams(lease_expires=math.nan)  # the lease check refuses it
+    def num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not (params and params.get("do_remote_prefill")):
+            return 0, False
+        total = request.num_prompt_tokens
+        if self.backoff and total > self.backoff:
+            total -= self.backoff
+        count = total - num_computed
+        return (count, True) if count > 0 else (0, False)
 
-    def request_finished(
-        self, request: Request, block_ids: tuple[list[int], ...]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        started = time.perf_counter()  # before vLLM stamps its deadline: never later
-        if request.kv_transfer_params:
-            self.kvstage_quiet.touch()
-        self.kvstage_quiet.done((request.request_id,))
-        self._kvstage_saving.pop(request.request_id, None)  # saved, or aborted
-        if self._kvstage_saves.drop(request.request_id):  # aborted with saves queued
-            self._kvstage_dropped.add(request.request_id)
-        delay_free, params = super().request_finished(request, block_ids)
-        lease.stamp(params, delay_free, started, self._kvstage.lease_duration_s)
-        key = self._kvstage_security.key
-        if key is not None and params is not None and "remote_request_id" in params:
-            # the reader's notifications for this request must carry its capability
-            params["remote_request_id"] = secure.with_capability(
-                key, self.engine_id, request.request_id
-            )
-        self._kvstage_checksums.finished(request.request_id, params)
-        request_params.pack(params)
-        if (self._kvstage.verify_checksum and params is not None
-                and params.get("do_remote_prefill")):
-            self._kvstage_unpacked.append(params)  # digests may be filled in this step
-        return delay_free, params
+    def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        params = request.kv_transfer_params
+        if not params:
+            return
+        rid = request.request_id
+        if params.get("do_remote_decode"):
+            self.saving[rid] = request  # (re)scheduled: its blocks follow in the output
+            self.saves.add(rid)
+            return
+        if not params.get("do_remote_prefill"):
+            return
+        self.waiting.pop(rid, None)
+        params["do_remote_prefill"] = False  # one transfer per request
+        parsed = parse_remote(params, self.num_groups)
+        if isinstance(parsed, str):
+            if num_external > 0:
+                self.step.fails[rid] = parsed  # the workers report it: the policy decides
+            else:
+                logger.error("kvstage: request %s: %s", rid, parsed)
+            return
+        remote, remote_ids = parsed
+        if num_external <= 0:
+            self.step.forgets[rid] = remote
+            return
+        local = self.clip(blocks.get_unhashed_block_ids_all_groups())
+        self.step.loads[rid] = Load(remote, [list(r) for r in self.clip(remote_ids)],
+                                    [list(g) for g in local])
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStageConnectorMetadata:
-        if not self.kvstage_quiet.full(
-                busy=bool(self._kvstage_saving or self._kvstage_recv or self._kvstage_dropped)):
-            return QuietMetadata()  # a quiet step: nothing for the worker
-        meta = super().build_connector_meta(scheduler_output)
-        assert isinstance(meta, NixlConnectorMetadata)
-        final = self._plan_saves(meta, scheduler_output) if self.use_host_buffer else {}
-        recv, self._kvstage_recv = self._kvstage_recv, {}
-        dropped, self._kvstage_dropped = self._kvstage_dropped, set()
-        return KVStageConnectorMetadata.of(meta, recv, final, dropped)
+    def request_finished(self, request: Request,
+                         block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        params = request.kv_transfer_params
+        self.saving.pop(rid, None)
+        self.saves.drop(rid)
+        self.waiting.pop(rid, None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):  # ended before it was scheduled: free the remote
+            params["do_remote_prefill"] = False
+            parsed = parse_remote(params, self.num_groups)
+            if not isinstance(parsed, str):
+                self.step.forgets[rid] = parsed[0]
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        final = self.final.get(rid)
+        if final is None or request.status not in _DONE:
+            # aborted or never complete: every rank lets its saved blocks go now
+            self.final.pop(rid, None)
+            self.step.releases.add(rid)
+            return False, None
+        capability = capability_of(self.key, self.engine_id, rid)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": final,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            PARAMS_KEY: {"v": PROTOCOL, "capability": capability.hex()},
+        }
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        super().update_connector_output(connector_output)
-        self.kvstage_quiet.done(connector_output.finished_recving or ())
-        self._kvstage_checksums.update(connector_output.kv_connector_worker_meta)
-        for params in self._kvstage_unpacked:  # SchedulerChecksums filled them in place
-            request_params.pack(params)
-        self._kvstage_unpacked.clear()
+    def build(self, scheduler_output: SchedulerOutput) -> StepMeta:
+        if self.saving:
+            self._plan_saves(scheduler_output)
+        if self.waiting:
+            now = self.clock()
+            for rid, (remote, renewed) in self.waiting.items():
+                if now - renewed >= self.beat_s:
+                    self.step.heartbeats[rid] = remote
+                    self.waiting[rid] = (remote, now)
+        step, self.step = self.step, StepMeta()
+        if step.empty:
+            self.quiet_steps += 1
+        return step
 
-    def _plan_saves(self, meta: NixlConnectorMetadata,
-                    scheduler_output: SchedulerOutput) -> dict[str, list[list[int]]]:
-        """This step's save entries, from kvstage's plan (`prompt_saves`) instead of vLLM's
-        (its scheduler tracks none: see ``update_state_after_alloc``): a partial prefill's
-        newly completed blocks, then at the prompt's last step the blocks not yet saved
-        (clipped as vLLM clips a transfer). Returns the requests whose prompt completed,
-        with the blocks the decode will READ."""
-        final: dict[str, list[list[int]]] = {}
-        if not self._kvstage_saving:
-            return final  # no prompt being saved (most steps): no walk over the batch
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        for rid in output.finished_sending or ():
+            self.final.pop(rid, None)  # every rank let it go
+
+    def _plan_saves(self, scheduler_output: SchedulerOutput) -> None:
         num_scheduled = scheduler_output.num_scheduled_tokens
-        assert num_scheduled is not None
-        for req_id, new_block_ids, resumed in yield_req_data(scheduler_output):
-            req = self._kvstage_saving.get(req_id)
+        for rid, new_ids, resumed in yield_req_data(scheduler_output):
+            req = self.saving.get(rid)
             if req is None:
                 continue
-            save = self._kvstage_saves.step(
-                req_id, new_block_ids, resumed,
-                req.num_computed_tokens + num_scheduled[req_id], req.num_prompt_tokens)
-            if req_id not in self._kvstage_saves:
-                del self._kvstage_saving[req_id]  # its prompt completed
+            save = self.saves.step(rid, new_ids, resumed,
+                                   req.num_computed_tokens + num_scheduled[rid],
+                                   req.num_prompt_tokens)
+            if rid not in self.saves:
+                del self.saving[rid]  # its prompt completed
             if save is None:
                 continue
-            if save.final is not None:
-                final[req_id] = [list(g) for g in save.final]
             if any(save.ids):
-                assert req.kv_transfer_params is not None
-                meta.add_new_req_to_save(request_id=req_id, local_block_ids=save.ids,
-                                         kv_transfer_params=req.kv_transfer_params)
-        return final
-
-
-def _save_groups(config: KVCacheConfig) -> list[int | None]:
-    """`PromptSaves`' block sizes: tokens per block of each group saved chunk by chunk
-    (`copies.saved_by_chunk`: full and sliding-window attention), None for the rest (state
-    groups: saved at the prompt's end). All None when vLLM transfers only some groups."""
-    groups = config.kv_cache_groups
-    if len(config.transfer_group_ids) != len(groups):
-        return [None] * len(groups)
-    return [g.kv_cache_spec.block_size if saved_by_chunk(g.kv_cache_spec) else None
-            for g in groups]
+                self.step.saves[rid] = [list(g) for g in save.ids]
+            if save.final is not None:
+                self.final[rid] = [list(g) for g in save.final]
+                self.step.holds[rid] = capability_of(self.key, self.engine_id, rid)

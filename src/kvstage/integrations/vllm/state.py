@@ -9,27 +9,21 @@ Primitives (importing this module never imports vLLM; vLLM objects are read by a
   named) or a Mamba model without vLLM's DS conv-state layout (vLLM's NIXL worker asserts
   it deep in its start; the fix is named here: ``VLLM_SSM_CONV_STATE_LAYOUT=DS`` on both
   instances, which `kvstage serve-pd` sets).
-- Ids: the worker copies a request's ids as the SCHEDULER lists them (``local_block_ids``:
-  vLLM block-pool ids, one space for every group), not vLLM's worker-side kernel ids
-  (attention groups expanded b -> b*r .. b*r+r-1 when the attention kernel block is r times
-  smaller, state groups left logical: two index spaces that collide once r > 1). Each
-  logical id names one logical page of every physical tensor: what `copies.EngineCopyOp`
-  copies.
-- `copy_logical(worker, direction, requests)`: the worker's metered ``copy_blocks`` over
-  those ids, one call per request, as vLLM's own sync does (synchronous: vLLM's host
-  path expects the bytes in place on return). The decode's h2d; the prefill's d2h of the
-  same logical ids is queued chunk by chunk (`chunk_saves`).
+- Ids: the connector copies a request's ids as the SCHEDULER lists them (vLLM block-pool
+  ids, one space for every group), not vLLM's worker-side kernel ids (attention groups
+  expanded b -> b*r .. b*r+r-1 when the attention kernel block is r times smaller, state
+  groups left logical: two index spaces that collide once r > 1). Each logical id names
+  one logical page of every physical tensor (`copies.page_rows`).
 
 Why whole logical pages are exact: a logical block id is held by one group of one request
 (one shared block pool), so its page of every physical tensor is that request's bytes or
 unused; a state slot is rewritten in place by every chunk, and the prefill saves it after
-its last chunk only (prompt_saves.py), so the slot moved is the state after the prompt vLLM
-computed (vLLM's protocol stops the prefill one token short for Mamba: h(N-1)).
+its last chunk only (`kvstage.pd.prompt_saves`), so the slot moved is the state after the
+prompt vLLM computed (the prefill stops one token short for Mamba: h(N-1)).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from kvstage.integrations.vllm.copies import unsupported
@@ -59,13 +53,3 @@ def refuse_unservable(vllm_config: Any, kv_cache_config: Any) -> None:
                 f"laid out (state_len, dim): vLLM's NIXL transfer needs (dim, state_len); "
                 f"{DS_FIX}"
             )
-
-
-def copy_logical(worker: Any, direction: str, requests: Sequence[list[int]]) -> None:
-    """``worker.copy_blocks`` (d2h: device -> host) over each request's logical ids."""
-    assert worker.copy_blocks is not None
-    src, dst = worker.device_kv_caches, worker.host_xfer_buffers
-    if direction == "h2d":
-        src, dst = dst, src
-    for ids in requests:
-        worker.copy_blocks(src, dst, ids, ids, direction)

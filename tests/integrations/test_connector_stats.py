@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-c
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram  # noqa: E402
 
 from kvstage.integrations.vllm.hook_time import HOOK_KEY  # noqa: E402
-from kvstage.integrations.vllm.native.stats import (  # noqa: E402
+from kvstage.integrations.vllm.stats import (  # noqa: E402
     KEYS,
     METRICS,
     QUIET_KEY,

