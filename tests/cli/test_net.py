@@ -31,7 +31,7 @@ def test_loopback_keeps_the_same_host_settings() -> None:
         assert c.env == {"UCX_TLS": "tcp,sm,self,cma", "UCX_NET_DEVICES": "lo"}, host
 
 
-SEGS = {"UCX_TCP_TX_SEG_SIZE": "256k", "UCX_TCP_RX_SEG_SIZE": "256k"}
+SEGS = {"UCX_TCP_TX_SEG_SIZE": "64k", "UCX_TCP_RX_SEG_SIZE": "256k"}
 
 
 @pytest.mark.timeout(10)
@@ -53,7 +53,7 @@ def test_other_addresses_get_tcp_on_the_interface_that_carries_them(
     for c in (owned, routed):
         assert c.env == {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "eth7", **SEGS}
     assert "eth7 carries 10.9.0.77" in routed.describe()
-    assert "UCX_TCP_TX_SEG_SIZE=256k (auto: 10.9.0.77 is not loopback)" in routed.describe()
+    assert "UCX_TCP_TX_SEG_SIZE=64k (auto: 10.9.0.77 is not loopback)" in routed.describe()
     monkeypatch.setattr(ucx_env, "_route_source", lambda ip: None)  # no route
     assert ucx_env.choose("10.8.0.1", environ={}).env == {
         "UCX_TLS": "tcp", "UCX_NET_DEVICES": "all", **SEGS}

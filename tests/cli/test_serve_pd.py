@@ -246,7 +246,7 @@ def test_role_prefill_on_a_routable_address(model_dir: Path, tmp_path: Path,
         assert "VLLM_NIXL_SIDE_CHANNEL_HOST=10.9.8.7" in line and "VLLM_HOST_IP=10.9.8.7" in line
         assert "UCX_NET_DEVICES=lo" not in line  # UCX picks the routable interface
         # the same off-loopback TCP settings as kvstage's own roles (ucx_env.choose)
-        assert "UCX_TLS=tcp " in line and "UCX_TCP_TX_SEG_SIZE=256k" in line
+        assert "UCX_TLS=tcp " in line and "UCX_TCP_TX_SEG_SIZE=64k" in line
         assert "UCX_TCP_RX_SEG_SIZE=256k" in line
         kv = json.loads(line.split("--kv-transfer-config ", 1)[1].strip("'"))
         assert kv["kv_role"] == "kv_producer"

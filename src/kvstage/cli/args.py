@@ -141,9 +141,11 @@ def add_ucx_arguments(p: argparse.ArgumentParser) -> None:
                         "interface that carries the address; the environment's wins)")
     p.add_argument("--ucx-tcp-seg-size", default=None, type=ucx_size("--ucx-tcp-seg-size"),
                    metavar="SIZE",
-                   help="UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE, e.g. 8k (UCX's own "
-                        f"TX default) or 1m (default: {ucx_env.TCP_SEG_SIZE} off loopback, "
-                        "unset on loopback; the environment's wins)")
+                   help="UCX_TCP_TX_SEG_SIZE and UCX_TCP_RX_SEG_SIZE both (default off "
+                        f"loopback: TX {ucx_env.TCP_TX_SEG_SIZE}, RX {ucx_env.TCP_RX_SEG_SIZE}; "
+                        "unset on loopback; the environment's wins). Give every peer the "
+                        "same: UCX crashes a peer whose RX segment is smaller than the TX "
+                        "segment sent to it")
 
 
 def ucx_size(flag: str) -> Callable[[str], str]:

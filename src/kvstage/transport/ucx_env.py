@@ -24,15 +24,18 @@ namespaces of one host it does (measured: ``UCX_PROTO_INFO=y`` shows the READ as
 ``all``: READs and notifications then take the same path as the side channel, not
 whichever other NIC UCX finds reachable.
 
-Why larger TCP segments off loopback (``UCX_TCP_TX_SEG_SIZE`` = ``UCX_TCP_RX_SEG_SIZE`` =
-`TCP_SEG_SIZE`): over tcp UCX has no remote read; a READ is emulated, the peer answering
-with active messages of at most one TX segment (UCX's default 8 KiB), each a ``send`` and
-a copy through a receive buffer of one RX segment (64 KiB). Measured across two
-namespaces (``python -m bench.tcp_link``, BENCHMARKS "How fast is the READ across hosts
-over TCP?"): with UCX's defaults the READ got 47-67 % of the same run's plain TCP stream;
-with larger segments it reaches the stream's rate. Both sides should use the same value
-(each side's RX must hold the other's TX); a peer with UCX's defaults still works (see
-the BENCHMARKS section).
+Why larger TCP segments off loopback (``UCX_TCP_TX_SEG_SIZE=64k``,
+``UCX_TCP_RX_SEG_SIZE=256k``): over tcp UCX has no remote read; a READ is emulated, the
+peer answering with active messages of at most one TX segment (UCX's default 8 KiB), each
+a ``send`` and a copy through a receive buffer of one RX segment (default 64 KiB).
+Measured across two namespaces (``python -m bench.tcp_link``, BENCHMARKS "How fast is the
+READ across hosts over TCP?"), 128 MiB requests: with UCX's defaults the READ got 60-63 %
+of the same run's plain TCP stream; with 64k TX segments 83-108 %, as with 256k. Why not
+more than 64k: a peer whose RX segment is smaller than our TX segment crashes (measured: a
+decode left at UCX's 64k RX was killed by SIGSEGV when its prefill sent 256k segments),
+and 64k is UCX's default RX, so a peer that kept UCX's defaults (another version, a
+process started without these settings) still receives ours; the measured gain is the
+same. RX 256k leaves room for a peer told to send larger segments.
 
 `choose(host)` is the one entry point: the CLI roles apply it (`apply`), kvstage's serving
 helpers hand its ``env`` to vLLM instances, and a connector passes ``choose(host).env`` to
@@ -52,8 +55,11 @@ __all__ = ["UcxChoice", "apply", "choose", "interface_for", "local_addresses"]
 
 SAME_HOST_TLS = "tcp,sm,self,cma"  # kvstage.transport.nixl.default_ucx_env()
 ACROSS_HOSTS_TLS = "tcp"
-TCP_SEG_SIZE = "256k"  # off loopback, both UCX_TCP_TX_SEG_SIZE and _RX_ (module doc)
+# off loopback (module doc): TX no larger than UCX's default RX (64k), RX with room to spare
+TCP_TX_SEG_SIZE = "64k"
+TCP_RX_SEG_SIZE = "256k"
 SEG_KEYS = ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE")
+_SEGS = {"UCX_TCP_TX_SEG_SIZE": TCP_TX_SEG_SIZE, "UCX_TCP_RX_SEG_SIZE": TCP_RX_SEG_SIZE}
 KEYS = ("UCX_TLS", "UCX_NET_DEVICES", *SEG_KEYS)
 
 
@@ -152,8 +158,7 @@ def _auto(host: str) -> tuple[dict[str, str], dict[str, str]]:
                 dict.fromkeys(("UCX_TLS", "UCX_NET_DEVICES"), why))
     dev = "all" if ip.is_unspecified else interface_for(host)
     off = f"auto: {host} is not loopback"
-    return {"UCX_TLS": ACROSS_HOSTS_TLS, "UCX_NET_DEVICES": dev or "all",
-            **dict.fromkeys(SEG_KEYS, TCP_SEG_SIZE)}, {
+    return {"UCX_TLS": ACROSS_HOSTS_TLS, "UCX_NET_DEVICES": dev or "all", **_SEGS}, {
         "UCX_TLS": off,
         "UCX_NET_DEVICES": (
             f"auto: {host} is every address" if ip.is_unspecified
