@@ -74,7 +74,7 @@ def kv_extra(p: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, 
 
     extra: dict[str, Any] = dict(args.kv_extra)
     try:
-        KVStageConfig.parse({"kvstage_force_host_buffer": True, **extra})
+        KVStageConfig.parse(extra)
     except ValueError as e:
         p.error("--kv-extra: " + "; ".join(str(e).splitlines()))
     return extra

@@ -90,7 +90,7 @@ def test_cluster_command_lines(tmp_path: Path) -> None:
         assert kv["kv_connector"] == "KVStageConnector"
         assert kv["kv_role"] == ("kv_producer" if inst.role == "prefill" else "kv_consumer")
         assert kv["kv_load_failure_policy"] == "recompute"
-        assert kv["kv_connector_extra_config"] == {"kvstage_force_host_buffer": True, "x": 1}
+        assert kv["kv_connector_extra_config"] == {"x": 1}
         assert inst.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(inst.side_channel_port)
         assert inst.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
         assert inst.env["VLLM_CPU_OMP_THREADS_BIND"] == argv[2]

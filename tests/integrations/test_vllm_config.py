@@ -18,20 +18,20 @@ from kvstage.integrations.vllm.config import KEYS, KNOWN, KVStageConfig
 
 def test_defaults() -> None:
     assert KVStageConfig.parse(None) == KVStageConfig(
-        force_host_buffer=False, key_file=None, allow_unauthenticated=False,
+        key_file=None, allow_unauthenticated=False,
         verify_checksum=False, progress_delay_us=20_000, log_reads=False,
         lease_duration_s=30.0)
 
 
 def test_every_key() -> None:
     cfg = KVStageConfig.parse({
-        "kvstage_force_host_buffer": True, "kvstage_key_file": "/k", "kvstage_log_reads": True,
+        "kvstage_key_file": "/k", "kvstage_log_reads": True,
         "kvstage_allow_unauthenticated": True, "kvstage_verify_checksum": True,
         "kvstage_progress_delay_us": 0, "kv_lease_duration": 6, "kv_recompute_threshold": 3,
         "kvstage_save_by_chunk": False, "kvstage_time_hooks": True,
     })
     assert cfg == KVStageConfig(
-        force_host_buffer=True, key_file="/k", allow_unauthenticated=True,
+        key_file="/k", allow_unauthenticated=True,
         verify_checksum=True, progress_delay_us=0, log_reads=True, lease_duration_s=6.0,
         save_by_chunk=False, time_hooks=True)
     with pytest.raises(AttributeError):
@@ -39,7 +39,7 @@ def test_every_key() -> None:
 
 
 @pytest.mark.parametrize(("key", "value", "expected"), [
-    ("kvstage_force_host_buffer", "yes", "true or false"),
+    ("kvstage_log_reads", "yes", "true or false"),
     ("kvstage_verify_checksum", 1, "true or false"),
     ("kvstage_key_file", 3, "a path string"),
     ("kvstage_progress_delay_us", 100_001, "an int 0..100000"),
@@ -76,7 +76,8 @@ def test_every_bad_value_at_once_and_vllm_settings() -> None:
     ]
 
 
-@pytest.mark.parametrize("key", ["kvstage_quiet_poll_ms", "kvstage_lease_margin_s"])
+@pytest.mark.parametrize("key", ["kvstage_quiet_poll_ms", "kvstage_lease_margin_s",
+                                 "kvstage_force_host_buffer"])
 def test_removed_keys_say_why(key: str) -> None:
     with pytest.raises(ValueError, match=f"{key}=1: {key} was removed: .*; drop the key$"):
         KVStageConfig.parse({key: 1})
@@ -85,10 +86,10 @@ def test_removed_keys_say_why(key: str) -> None:
 def test_from_vllm_reads_the_config_by_attribute() -> None:
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"kvstage_force_host_buffer": True},
+            kv_connector_extra_config={"kvstage_log_reads": True},
             kv_buffer_device="cpu", enable_permute_local_kv=False),
         parallel_config=SimpleNamespace(world_size=1))
-    assert KVStageConfig.from_vllm(vllm_config) == KVStageConfig(force_host_buffer=True)
+    assert KVStageConfig.from_vllm(vllm_config) == KVStageConfig(log_reads=True)
 
 
 def test_connector_reference_table_is_the_keys() -> None:

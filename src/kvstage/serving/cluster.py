@@ -9,8 +9,8 @@ Contract:
   A start that fails stops whatever it had started and raises `ServingError` with the log.
 - CPU (``device="cpu"``): cores of this process's affinity are split between instances
   (`split_cores`; on 2 cores prefills share core 0, decodes core 1), each pinned with
-  ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; the connector's host path is forced
-  on (``kvstage_force_host_buffer``, ``kv_buffer_device: cpu``). CUDA (``device="cuda"``):
+  ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; ``kv_buffer_device: cpu``.
+  CUDA (``device="cuda"``):
   each api_server gets one GPU of ``CUDA_VISIBLE_DEVICES`` (distinct while they last); the
   host path is vLLM's own there (``kv_buffer_device: cpu``), nothing forced.
 - ``connector``: "kvstage" (KVStageConnector), "nixl" (vLLM's NixlConnector; on CPU its

@@ -27,13 +27,13 @@ def kv_transfer_config(
     if connector == KVSTAGE_CONNECTOR:
         from kvstage.integrations.vllm.config import KVStageConfig
 
-        KVStageConfig.parse({"kvstage_force_host_buffer": True, **extra_config})
+        KVStageConfig.parse(extra_config)
     return {
         "kv_connector": name,
         "kv_connector_module_path": module,
         "kv_role": role,
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"kvstage_force_host_buffer": True, **extra_config},
+        "kv_connector_extra_config": dict(extra_config),
     }
 
 

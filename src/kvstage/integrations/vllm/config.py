@@ -35,6 +35,9 @@ from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 PROGRESS_DELAY_US = 20_000
 LEASE_DEFAULT_S = 30  # vLLM's default kv_lease_duration (NixlBaseConnectorScheduler)
 REMOVED = {
+    "kvstage_force_host_buffer": "kvstage_force_host_buffer was removed: KVStageConnector "
+                                 "always stages KV through host memory, on every platform; "
+                                 "drop the key",
     "kvstage_merge_reads": "kvstage_merge_reads was removed: a READ posts one descriptor per "
                            "run of blocks already; drop the key",
     "kvstage_quiet_poll_ms": "kvstage_quiet_poll_ms was removed: the connector does no work "
@@ -46,8 +49,6 @@ REMOVED = {
 
 #: (key, type, default, range, meaning): the README table
 KEYS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("kvstage_force_host_buffer", "bool", "false", "true/false",
-     "the host path on where vLLM's platform turns it off (device type cpu: tests)"),
     ("kvstage_key_file", "str", "none", "a file of mode 600/400, >= 16 bytes",
      "the shared key (or KVSTAGE_KEY): seals the handshake, capabilities on notifications"),
     ("kvstage_allow_unauthenticated", "bool", "false", "true/false",
@@ -87,7 +88,6 @@ def _number(value: Any, low: float, *, strict: bool = False) -> float | None:
 class KVStageConfig:
     """The connector's settings (see `KEYS` for each one's meaning)."""
 
-    force_host_buffer: bool = False
     key_file: str | None = None
     allow_unauthenticated: bool = False
     verify_checksum: bool = False
@@ -107,8 +107,7 @@ class KVStageConfig:
             bad.append(f"kv_connector_extra_config {key}={extra[key]!r}: expected {expected}")
 
         out: dict[str, Any] = {}
-        for key, field in (("kvstage_force_host_buffer", "force_host_buffer"),
-                           ("kvstage_allow_unauthenticated", "allow_unauthenticated"),
+        for key, field in (("kvstage_allow_unauthenticated", "allow_unauthenticated"),
                            ("kvstage_verify_checksum", "verify_checksum"),
                            ("kvstage_log_reads", "log_reads"),
                            ("kvstage_save_by_chunk", "save_by_chunk"),
