@@ -27,12 +27,6 @@ def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     return rc, capsys.readouterr().err
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    (tmp_path / "config.json").write_text("{}")
-    return tmp_path
-
-
 @pytest.mark.parametrize(("args", "needle"), [
     (["--model", "/no/such/dir"], "--model '/no/such/dir' is not a directory"),
     (["--prefill", "0"], "--prefill must be > 0 and <= 16, got 0"),

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from kvstage.cli import main as cli_main
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, ServingError
 from kvstage.serving.cluster import gpu_assignment, place_ranks
+from tests.cli.test_serve_pd import _dry
 
 
 def test_place_ranks() -> None:
@@ -64,21 +64,6 @@ def test_gpus_per_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4")
     with pytest.raises(ServingError, match="tensor-parallel size 2 needs 2 GPUs per instance"):
         gpu_assignment(1, tps=[2], share=True)
-
-
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    (tmp_path / "config.json").write_text("{}")
-    return tmp_path
-
-
-def _dry(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        rc = cli_main(["serve-pd", *args, "--dry-run"])
-    except SystemExit as exc:
-        rc = int(exc.code or 0)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def test_role_prefill_at_tp2_takes_a_port_per_rank(
