@@ -20,6 +20,6 @@ __all__ = ["copy_blocks"]
 
 def __getattr__(name: str) -> Any:
     if name == "KVStageConnector":
-        connector = importlib.import_module(f"{__name__}.native.connector")
+        connector = importlib.import_module(f"{__name__}.connector")
         return connector.KVStageConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
