@@ -23,7 +23,8 @@ metrics, deltas over the point, means over every request of the point):
   (``request_prefill_time``) and the rest (front end -> engine core -> front end); the
   client's time beyond ``e2e`` is HTTP and the API server;
 - decode: ``time_to_first_token`` split into the queue, which on a P/D decode is the wait
-  for the KV (handshake, READ: ``nixl_xfer_time``, kvstage's h2d: ``kvstage_h2d_time``; the
+  for the KV (handshake, READ: ``kvstage_read_time``, or vLLM's ``nixl_xfer_time``; the h2d
+  beyond the READ: ``kvstage_h2d_time`` - ``kvstage_read_time``, pipelined behind it; the
   rest: notification and scheduling), the first step (``request_prefill_time``) and the
   rest; the client's time beyond it is HTTP and the API server.
 Phases named "client - server" or "rest" are differences of two measured times, the others
@@ -57,7 +58,7 @@ P_HIST = ("vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
           "vllm:request_prefill_time_seconds")
 D_HIST = ("vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
           "vllm:request_prefill_time_seconds", "vllm:nixl_xfer_time_seconds",
-          "vllm:kvstage_h2d_time_seconds")
+          "vllm:kvstage_read_time_seconds", "vllm:kvstage_h2d_time_seconds")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -156,7 +157,11 @@ def run_point(urls: dict[str, str], model: str, conc: int, args: argparse.Namesp
 def phases(c: dict[str, float], p: dict[str, float], d: dict[str, float]) -> list[dict]:
     """(phase, ms, timed directly?) rows whose sum is the router path's mean TTFT."""
     e2e, pq, pp = (p[n] for n in P_HIST)
-    ttft, dq, dp, read, h2d = (d[n] for n in D_HIST)
+    ttft, dq, dp, nixl_read, read, load = (d[n] for n in D_HIST)
+    # kvstage: READ posted -> last chunk DONE, and -> last h2d done (the h2d runs behind the
+    # READ: what it adds is the difference); vLLM's connector: its READ only
+    h2d = load - read if load else 0.0
+    read = read or nixl_read
     rows = [
         ("router: its two hops and processing (router - direct TTFT)",
          c["router_ttft"] - c["direct_ttft"], False),
@@ -168,8 +173,9 @@ def phases(c: dict[str, float], p: dict[str, float], d: dict[str, float]) -> lis
         ("decode request: HTTP + API server to first token (client - server TTFT)",
          c["decode_ttft"] - ttft, False),
         ("decode: front end <-> engine core (TTFT - queue - first step)", ttft - dq - dp, False),
-        ("decode: KV wait: READ (nixl_xfer_time)", read, True),
-        ("decode: KV wait: h2d (kvstage_h2d_time; vLLM's is not timed)", h2d, True),
+        ("decode: KV wait: READ (kvstage_read_time; vLLM's: nixl_xfer_time)", read, True),
+        ("decode: KV wait: h2d after the READ (kvstage_h2d_time - kvstage_read_time; "
+         "vLLM's is not timed)", h2d, True),
         ("decode: KV wait: notification, scheduling, queue (queue - READ - h2d)",
          dq - read - h2d, False),
         ("decode: first step (prefill time on the decode)", dp, True),
