@@ -29,9 +29,8 @@ from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
 
 #: the NIXL progress thread's wait when idle, in the connector (the CLI roles keep 1 ms).
 #: The thread waits on UCX's event fd with this timeout, so traffic wakes it at once; only
-#: idle wake-ups depend on it: at 1 ms (1000 a second per instance) a kvstage instance
-#: sharing a core lost 10-24 % ITL to a plain one, at 20 ms 1-2 %, with P/D TTFT and the
-#: READ unchanged (BENCHMARKS "The connector's cost per engine step")
+#: idle wake-ups depend on it (what they cost a neighbour: BENCHMARKS "What does the
+#: connector cost against plain vLLM?")
 PROGRESS_DELAY_US = 20_000
 LEASE_DEFAULT_S = 30  # vLLM's default kv_lease_duration (NixlBaseConnectorScheduler)
 REMOVED = {

@@ -6,15 +6,14 @@ Contract
 vLLM calls on its side (`SCHEDULER_HOOKS` in the engine core's scheduler, `WORKER_HOOKS` in
 the worker's ``execute_model``; ``clock.side``) with wrappers that add each call's wall
 nanoseconds (``perf_counter_ns``, so a hook that waits counts) to ``clock``. A hook's time
-is everything the connector does in it, vLLM's NIXL code it inherits included. What vLLM
-does around the hooks because a connector is loaded (its output objects, the per-layer
-``wait_for_layer_load``/``save_kv_layer`` calls, which the NIXL connector leaves empty) is
-not in it: the A/B bench (`bench.step_cost`) puts the two side by side.
+is everything the connector does in it. What vLLM does around the hooks because a
+connector is loaded (its output objects, the per-layer ``wait_for_layer_load`` /
+``save_kv_layer`` calls, which the connector leaves empty) is not in it: the A/B bench
+(`bench.step_cost`) puts the two side by side.
 
 Timing is opt-in (``kvstage_time_hooks: true``): a wrapper is one more call per hook, and
-each step makes its first calls with caches the forward has just cooled (about 1 % of a
-tiny model's worker samples, BENCHMARKS "Quiet steps"). Untimed, the class's methods are
-called directly: nothing is wrapped, nothing is paid.
+each step makes its first calls with caches the forward has just cooled. Untimed, the
+class's methods are called directly: nothing is wrapped, nothing is paid.
 
 `HookClock` is also the connector's once-a-second tick: ``due()`` is True at most once per
 ``flush_s`` (default 1 s), and ``take()`` then hands out the hook totals as
