@@ -178,23 +178,15 @@ def read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader, window: int =
     """The product's READ (`DecodeWorker(pipeline=True)`): `split_runs` chunks, `ReadJob`
     posting and polling every 0.5 ms as the decode's ``wait`` does, h2d of each chunk
     behind; nanoseconds from the first post to the last chunk's READ seen DONE.
-    ``window`` > 0 replaces `pipeline.WINDOW` (chunks in flight) for this READ."""
-    assert bench.transport is not None
-    saved = pipeline.WINDOW
-    pipeline.WINDOW = window or saved
-    try:
-        return _read_pipelined(bench, runs, loader)
-    finally:
-        pipeline.WINDOW = saved
-
-
-def _read_pipelined(bench: Bench, runs: np.ndarray, loader: Loader) -> int:
+    ``window`` > 0 replaces the product's choice (`pipeline.window_for` the prefill's
+    address: every chunk at once across hosts) of chunks in flight."""
     assert bench.transport is not None
     transport = bench.transport
     job = ReadJob(split_runs(runs, bench.layout.block_bytes), bench.peer, NOTIF,
                   post=lambda r, notif: transport.read(
                       bench.peer, *bench.descriptors("merged", r), notif),
-                  verify=lambda r: "")
+                  verify=lambda r: "",
+                  window=window or pipeline.window_for(bench.address[0]))
     t0 = time.monotonic()
     job.post_window()
     state = "pending"

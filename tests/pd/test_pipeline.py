@@ -12,8 +12,16 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstage.pd import decode as decode_mod
 from kvstage.pd.decode import READ_FAILED, READ_TIMEOUT, DecodeWorker
-from kvstage.pd.pipeline import MIN_CHUNK_BYTES, split_runs
+from kvstage.pd.pipeline import (
+    ACROSS_HOSTS_WINDOW,
+    MAX_CHUNKS,
+    MIN_CHUNK_BYTES,
+    WINDOW,
+    split_runs,
+    window_for,
+)
 from kvstage.pd.prefill import PrefillWorker
 from kvstage.presets import preset
 from kvstage.testing.pattern import verify_request
@@ -104,6 +112,54 @@ def test_a_fault_in_a_middle_chunk_fails_the_request(fault: str) -> None:
         res = finish(decode, start_request(decode, prefill.address, "next", 24 * 16, 5))
         assert res.ok and res.num_chunks == 4
         assert verify_request(decode.cache, res.local_block_ids, 5) == []
+
+
+def test_window_is_one_chunk_on_loopback_and_every_chunk_across_hosts() -> None:
+    assert WINDOW == 1 and ACROSS_HOSTS_WINDOW == MAX_CHUNKS
+    for host in ("127.0.0.1", "127.9.9.9", "::1", "localhost"):
+        assert window_for(host) == 1, host
+    for host in ("10.79.0.1", "0.0.0.0", "fe80::1", "prefill.example"):
+        assert window_for(host) == MAX_CHUNKS, host
+
+
+@pytest.mark.parametrize("fault", [None, "fail_reads"])
+def test_across_hosts_every_chunk_is_posted_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                    fault: str | None) -> None:
+    # the loopback pair posing as two hosts: the decode picks the window from the address
+    monkeypatch.setattr(decode_mod, "window_for", lambda host: ACROSS_HOSTS_WINDOW)
+    with pair() as (prefill, decode):
+        t: Any = decode.transport
+        original, posts, in_flight = t.read, [], []
+
+        def read(*args: Any) -> int:
+            posts.append(args)
+            in_flight.append(decode.transport.num_open_handles)
+            # chunks 1-3 wait for chunk 4's post, but for chunk 2 when it is the faulty one
+            faulty = bool(fault) and len(posts) == 2
+            t.stall_reads = len(posts) < 4 and not faulty
+            if fault:
+                setattr(t, fault, faulty)
+            try:
+                return original(*args)
+            finally:
+                t.stall_reads = False
+                if fault:
+                    setattr(t, fault, False)
+
+        t.read = read
+        res = start_request(decode, prefill.address, "wide", 24 * 16, 6)
+        assert len(posts) == 4 and in_flight == [0, 1, 2, 3]  # all four before any is done
+        t.resume_reads()
+        res = finish(decode, res)
+        del t.read
+        if fault is None:
+            assert res.ok and res.num_chunks == 4, res.reason
+            assert verify_request(decode.cache, res.local_block_ids, 6) == []
+            decode.finish("wide")
+        else:
+            assert res.status == "failed" and res.code == READ_FAILED
+        decode.poll()
+        assert_clean(decode)
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ from kvstage.pd import messages as m
 from kvstage.pd.handshake import handshake
 from kvstage.pd.lease import read_budget
 from kvstage.pd.local_ids import LocalIds
-from kvstage.pd.pipeline import Loader, ReadJob, split_runs
+from kvstage.pd.pipeline import Loader, ReadJob, split_runs, window_for
 from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public names)
     ABORTED,
     CHECKSUM_MISMATCH,
@@ -216,7 +216,8 @@ class DecodeWorker:
                       else [runs])
             job = ReadJob(chunks, remote.peer, auth.completion_notif(remote_rid, capability),
                           post=lambda r, notif: self.poster.post(remote, r, notif),
-                          verify=lambda r: self._verify(r, digests))
+                          verify=lambda r: self._verify(r, digests),
+                          window=window_for(remote.host))
             result.num_descriptors = sum(
                 int(self.host.descriptors(c[:, 1], c[:, 2]).shape[0]) for c in chunks)
             result.num_chunks = len(chunks)
