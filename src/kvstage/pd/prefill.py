@@ -112,6 +112,9 @@ class PrefillWorker:
             # registered once, at start-up: pinning and key exchange are far too slow
             # per request
             self.transport.register(self.host.data_ptr, self.host.nbytes)
+            # taken once: the registrations never change after start, and NIXL builds it
+            # slowly on a busy core (a TP 2 prefill took 13-60 s+ per GetMeta on 2 cores)
+            self.agent_metadata = self.transport.metadata()
             self.server = SideChannelServer(host, port, key=key, insecure=insecure)
         except Exception:
             self.transport.close()
@@ -295,7 +298,7 @@ class PrefillWorker:
             return m.Meta(
                 engine_id=self.engine_id,
                 agent_name=self.transport.name,
-                agent_metadata=self.transport.metadata(),
+                agent_metadata=self.agent_metadata,
                 layout=m.layout_to_msg(self.layout),
                 host_layout=self.host.host_layout.value,
                 host_base=self.host.data_ptr,
