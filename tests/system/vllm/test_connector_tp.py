@@ -145,9 +145,10 @@ def test_tp2_to_tp2_token_exact(tmp: Path, name: str, extra: dict[str, Any]) -> 
     assert held == []
 
 
-def _worker_pids(pgid: int) -> dict[str, int]:
-    """comm -> pid of the vLLM worker processes in process group ``pgid``."""
-    out = {}
+def _worker_pids(pgid: int) -> list[int]:
+    """The vLLM worker processes of process group ``pgid``, in start order (their ``comm``
+    is cut to 15 characters, "VLLM::Worker_TP": ranks are told apart by pid)."""
+    out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -156,8 +157,8 @@ def _worker_pids(pgid: int) -> dict[str, int]:
             continue
         comm = stat[stat.index("(") + 1:stat.rindex(")")]
         if comm.startswith("VLLM::Worker") and int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-            out[comm] = int(pid)
-    return out
+            out.append(int(pid))
+    return sorted(out)
 
 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
@@ -180,7 +181,7 @@ def test_tp2_prefill_rank_killed(tmp: Path, policy: str) -> None:
                 dict(PREFILL_REQUEST_PARAMS) for _ in PROMPTS])
             workers = _worker_pids(prefill.pid)
             assert len(workers) == 2, workers
-            os.kill(workers[max(workers)], signal.SIGKILL)  # the last rank's worker
+            os.kill(workers[-1], signal.SIGKILL)  # the rank started last
             got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, timeout=240,
                                   kv_transfer_params=[c.kv_transfer_params for c in first])
             again = decode.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)  # serves on, alone
