@@ -20,7 +20,10 @@ Programs:
 - ``step_cost``: what the connector costs an instance per engine step when it moves no KV.
 - ``idle_cpu``: what an instance that serves nothing costs, CPU per process (api_server,
   engine core, workers) per second idle.
+- ``tcp_link``: kvstage's READ across two network namespaces (UCX over tcp) against the
+  same run's plain TCP stream and iperf3 (root).
 
 Their parts: ``transfer_bench``, ``posting``, ``pipeline``, ``chunked`` (transfer);
-``workloads``, ``hostile``, ``soak_report`` (soak); ``stream`` (pd_time, step_cost).
+``workloads``, ``hostile``, ``soak_report`` (soak); ``stream`` (pd_time, step_cost);
+``netns``, ``tcp_link_client`` (tcp_link).
 """
