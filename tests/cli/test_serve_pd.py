@@ -6,6 +6,7 @@ the thing under test)."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from pathlib import Path
@@ -222,6 +223,8 @@ def test_role_prefill_on_a_routable_address(model_dir: Path, tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVSTAGE_KEY", raising=False)
+    for name in [k for k in os.environ if k.startswith("UCX_")]:  # a NIXL agent of another
+        monkeypatch.delenv(name)  # test in this process sets them; serve-pd keeps the user's
     args = ["--model", str(model_dir), "--role", "prefill", "--prefill", "2",
             "--host", "10.9.8.7", "--port", "8100", "--device", "cpu"]
     rc, _, err = _dry(capsys, *args)

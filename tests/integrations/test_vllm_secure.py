@@ -47,7 +47,7 @@ def test_no_key_off_loopback_refuses_unless_opted_in(
     config: KVStageConfig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv("KVSTAGE_KEY", raising=False)
-    with pytest.raises(ValueError, match=r"refusing to serve vLLM's NIXL side channel on "
+    with pytest.raises(ValueError, match=r"refusing to serve the side channel on "
                        r"10\.1\.2\.3 without a key.*kvstage_allow_unauthenticated"):
         secure.Security.from_config(config, side_channel_host="10.1.2.3")
     opted = secure.Security.from_config(_config(kvstage_allow_unauthenticated=True),
