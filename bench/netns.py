@@ -4,7 +4,8 @@
 (decode, ``10.79.0.2/24``), the veth ends created inside them (never a link in this
 namespace), every packet on that pair, as `tests/system/test_netns.py` builds them.
 ``up()`` builds, ``popen(ns, argv)`` starts a process inside one, ``shape(...)`` puts a
-``tc netem`` delay and rate cap on both ends, ``close()`` kills what was started there and
+``tc netem`` delay and rate cap on both ends (a ``tbf`` rate cap where the kernel has no
+netem), ``close()`` kills what was started there and
 deletes both namespaces (idempotent; also registered with ``atexit``).
 `unavailable()` says why this machine cannot (None if it can), probed for real.
 """
@@ -100,12 +101,22 @@ class Pair:
         path = f"/sys/class/net/{self.veth_p}/statistics/tx_bytes"
         return int(_run("ip", "netns", "exec", self.p, "cat", path).stdout)
 
-    def shape(self, *, delay_ms: float, rate_mbit: float, limit: int = 100_000) -> None:
-        """``tc netem`` on both ends: ``delay_ms`` each way, at most ``rate_mbit``."""
+    def shape(self, *, delay_ms: float, rate_mbit: float, limit: int = 100_000) -> str:
+        """``tc netem`` on both ends: ``delay_ms`` each way, at most ``rate_mbit``. A kernel
+        without netem (``sch_netem``) gets a ``tbf`` rate cap and no delay. Returns the
+        qdisc used ("netem" or "tbf")."""
+        kind = "netem"
         for ns, dev in ((self.p, self.veth_p), (self.d, self.veth_d)):
-            _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
-                 "netem", "delay", f"{delay_ms}ms", "rate", f"{rate_mbit}mbit",
-                 "limit", str(limit))
+            base = ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root"]
+            if kind == "netem":
+                made = _run(*base, "netem", "delay", f"{delay_ms}ms", "rate",
+                            f"{rate_mbit}mbit", "limit", str(limit), check=False)
+                if made.returncode == 0:
+                    continue
+                kind = "tbf"
+            _run(*base, "tbf", "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency",
+                 "400ms")
+        return kind
 
     def close(self) -> None:
         if self.closed:
