@@ -69,7 +69,8 @@ class Loads:
             self.fail(rid, f"the prefill runs at tensor-parallel size {remote.tp_size}, this "
                            f"decode at {self.tp_size}: serve both at the same size")
             return
-        self._queue(lambda: self._start(rid, load), f"the start of request {rid}")
+        queued = time.monotonic()
+        self._queue(lambda: self._start(rid, load, queued), f"the start of request {rid}")
 
     def forget(self, remote: Remote) -> None:
         """Ask the prefill to release a request this decode will not read."""
@@ -156,8 +157,9 @@ class Loads:
                 with self.mutex:
                     self.queued -= 1
 
-    def _start(self, rid: str, load: Load) -> None:
+    def _start(self, rid: str, load: Load, queued: float) -> None:
         remote, addr = load.remote, self.address(load.remote)
+        waited = time.monotonic() - queued
         with self.mutex:
             known = addr in self.peers
         if not known:
@@ -176,11 +178,11 @@ class Loads:
                     remote_request_id=remote.request_id, capability=remote.capability)
         except (KVStageError, ValueError, TypeError) as e:
             self._lost(addr)
-            self.fail(rid, f"{type(e).__name__}: {e}")
+            self.fail(rid, f"{type(e).__name__}: {e} ({self._timing(waited, began)})")
             return
         if result.status == "failed":
             self._lost(addr)
-            self.fail(rid, f"{result.code}: {result.reason}")
+            self.fail(rid, f"{result.code}: {result.reason} ({self._timing(waited, began)})")
             return
         if result.status == "done":
             self._record(result)
@@ -192,6 +194,11 @@ class Loads:
                           "start)", self.rank, remote.engine_id, self.rank, *addr,
                           ", sealed with the key" if self.key else "",
                           time.monotonic() - began)
+
+    @staticmethod
+    def _timing(waited: float, began: float) -> str:
+        return (f"{waited:.2f} s queued behind other starts, then "
+                f"{time.monotonic() - began:.2f} s in the start")
 
     def _lost(self, addr: tuple[str, int]) -> None:
         with self.mutex:
