@@ -94,8 +94,21 @@ def _child_env() -> dict[str, str]:
             if not k.startswith("UCX_") and k != "KVSTAGE_KEY"} | {"PYTHONUNBUFFERED": "1"}
 
 
+def _host_cores(ns: str) -> list[str]:
+    """The "hosts" share this machine's cores: each gets its own half, as two machines
+    would (two instances that each spread OpenMP threads over all cores starve each other's
+    side channel: a first handshake then took 15-30 s, the leases ending meanwhile)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return []
+    half = len(cores) // 2
+    mine = cores[:half] if ns == P_NS else cores[half:]
+    return ["taskset", "-c", ",".join(map(str, mine))]
+
+
 def _serve(ns: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "kvstage.cli", "serve-pd", *args]
+    cmd = ["ip", "netns", "exec", ns, *_host_cores(ns), sys.executable, "-m", "kvstage.cli",
+           "serve-pd", *args]
     with log.open("wb") as out:
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=_child_env())
 
@@ -204,16 +217,6 @@ except KVStageError as e:
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open defect of kvstage's connector across network namespaces (3 of 3 runs on "
-    "2026-12-05): the decode's first start hands the prefill's side channel a GetMeta, "
-    "adds the NIXL peer, then sends the Acquire on a new REQ socket, and that Acquire gets "
-    "no answer within the handshake bound (py-spy: the decode's starter waits in the REQ "
-    "poll while the prefill's serving thread idles in its ROUTER poll: the message never "
-    "arrives); the loads fail and the lease ends. A process of its own in the decode's "
-    "namespace gets every GetMeta answered in 1-3 ms. Loopback deployments are not affected",
-)
 def test_two_hosts_token_exact(tmp_path: Path) -> None:
     model, reference = _model_and_reference(tmp_path, "taskset")
     key = _key_file(tmp_path / "kvstage.key")
