@@ -73,6 +73,10 @@ PROMPTS = _prompts((5, 40, 100, 150, 300), seed=7)
 #: a row in another; a longer lease gives the handshake and each READ (bounded by half of
 #: it) room, without changing what is checked
 TP2_LEASE = {"kv_lease_duration": 300}
+#: OpenMP threads that sleep when idle instead of spinning: with two TP 2 instances on 2
+#: cores every core holds two ranks' pinned OpenMP threads, and spinning ones starve the
+#: other instance's side channel (docs/deploy.md, CPU placement)
+TP2_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def kv(role: str, **extra: Any) -> dict[str, Any]:
@@ -90,7 +94,7 @@ def _spec(tmp: Path, name: str, log: str, tp: int, kv_config: dict[str, Any] | N
         model=str(model), log_path=str(tmp / log), kv_transfer_config=kv_config,
         max_model_len=512, max_num_batched_tokens=120, block_size=block,
         tensor_parallel_size=tp, cpu_cores=(0, 1) if tp == 2 else None, cpu_core=0,
-        env={**env, **(side_channel_env(port) if port else {})},
+        env={**env, **(side_channel_env(port) if port else {}), **(TP2_ENV if tp == 2 else {})},
     )
 
 
