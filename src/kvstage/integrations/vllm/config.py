@@ -21,11 +21,18 @@ No thread, no state.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvstage.transport.nixl_agent import MAX_PROGRESS_DELAY_US
+
+LOG_PREFIX = "kvstage READ"
+#: the line ``kvstage_log_reads`` writes per READ: bytes, xfer_us (posted to last chunk
+#: done), nixl_post_us, nixl_descs (groups 1-4; what the benches parse)
+READ_LOG = re.compile(
+    LOG_PREFIX + r" bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)")
 
 #: the NIXL progress thread's wait when idle, in the connector (the CLI roles keep 1 ms).
 #: The thread waits on UCX's event fd with this timeout, so traffic wakes it at once; only

@@ -33,8 +33,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvstage.errors import KVStageError
+from kvstage.integrations.vllm.config import LOG_PREFIX
 from kvstage.integrations.vllm.metadata import Load, Remote
-from kvstage.integrations.vllm.stats import LOG_PREFIX, KVStageStats
+from kvstage.integrations.vllm.stats import KVStageStats
 from kvstage.pd import messages as m
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.reads import RequestResult

@@ -22,15 +22,14 @@ the dict to the connector class's ``build_prom_metrics`` for ``/metrics``.
 
 A rank's bytes are its own shard's: at tensor-parallel size N the figures are N ranks'
 sums (the bytes every rank moved). `KVStagePromMetrics` turns them into counters and
-histograms named ``vllm:kvstage_*`` (`METRICS` lists them with their meaning); `READ_LOG`
-is the line ``kvstage_log_reads`` writes per READ.
+histograms named ``vllm:kvstage_*`` (`METRICS` lists them with their meaning). The line
+``kvstage_log_reads`` writes per READ is `config.READ_LOG`.
 
 No thread, no lock: a rank's stats are written and handed out by its worker thread.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,10 +72,6 @@ METRICS: dict[str, tuple[str, str, str]] = {
     "copy_failures": ("copy_failures", "counter", "d2h copies that raised."),
 }
 BUCKETS = [1e-5, 1e-4, 5e-4, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0]
-LOG_PREFIX = "kvstage READ"
-#: one ``kvstage_log_reads`` line: bytes, xfer_us, nixl_post_us, nixl_descs (groups 1-4)
-READ_LOG = re.compile(
-    LOG_PREFIX + r" bytes=(\d+) xfer_us=(\d+) nixl_post_us=(\d+) nixl_descs=(\d+)")
 
 
 @dataclass
