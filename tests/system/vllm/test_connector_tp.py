@@ -18,7 +18,7 @@ Engines run in child processes (`kvstage.testing.vllm_engines`), each bounded in
 killed at teardown; the TP 2 ones bind rank r to core r. Two TP 2 instances on 2 cores
 (4 vLLM workers, 2 engine cores) answer slowly: their lease is 300 s, so the handshake and
 READ bounds (half a lease) leave room (`TP2_LEASE`), and their OpenMP threads sleep when
-idle (`TP2_ENV`). Even so a rank's first handshake took 16 s to over 4 minutes on this
+idle (`TP2_ENV`). Even so a rank's first handshake took 16 s to over 3 minutes on this
 2-core VM, so with fewer than 4 cores the TP 2 P/D cases run only with
 ``KVSTAGE_TEST_TP2_PD=1`` (`tp2_pd`); they passed so on 2026-12-05 in separate runs
 (Gemma3 and Nemotron-H in one, the Llama in another), not all in one.
@@ -147,7 +147,7 @@ def test_tp1_gemma3_ids_and_logprobs_exact(tmp: Path) -> None:
 tp2_pd = pytest.mark.skipif(
     os.environ.get("KVSTAGE_TEST_TP2_PD") != "1" and len(os.sched_getaffinity(0)) < 4,
     reason="two TP 2 instances on fewer than 4 cores: a rank's first handshake took "
-    "16 s-4 min on 2 cores (pinned, spinning OpenMP threads of 4 ranks starve the side "
+    "16 s to over 3 min on 2 cores (pinned, spinning OpenMP threads of 4 ranks starve the side "
     "channel), past the client's bound; KVSTAGE_TEST_TP2_PD=1 runs them anyway")
 
 
