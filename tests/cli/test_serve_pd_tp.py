@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, ServingError
-from kvstage.serving.cluster import gpu_assignment, place_ranks
+from kvstage.serving.cluster import gpu_assignment, omp_threads_bind, place_ranks
 from tests.cli.test_serve_pd import _dry
 
 
@@ -19,9 +19,18 @@ def test_place_ranks() -> None:
     # a core per rank or more: consecutive chunks
     assert place_ranks([0, 1, 2, 3], 1, 1, 2, 2) == [((0,), (1,)), ((2,), (3,))]
     assert place_ranks(list(range(8)), 1, 1, 2, 2) == [((0, 1), (2, 3)), ((4, 5), (6, 7))]
-    # fewer cores than ranks: each instance spreads its ranks over all of them
-    assert place_ranks([0, 1], 1, 1, 2, 2) == [((0,), (1,)), ((0,), (1,))]
+    # fewer cores than ranks: each instance gets all of them, its ranks unbound
+    assert place_ranks([0, 1], 1, 1, 2, 2) == [((0, 1), (0, 1)), ((0, 1), (0, 1))]
     assert place_ranks([5], 1, 1, 2, 2) == [((5,), (5,)), ((5,), (5,))]
+
+
+def test_omp_threads_bind() -> None:
+    assert omp_threads_bind(((0,), (1,))) == ("0|1", 1)
+    assert omp_threads_bind(((0, 1), (2, 3))) == ("0,1|2,3", 2)
+    assert omp_threads_bind(((3,),)) == ("3", 1)
+    # ranks sharing a core are left to the kernel: one OpenMP thread each
+    assert omp_threads_bind(((0, 1), (0, 1))) == ("nobind", 1)
+    assert omp_threads_bind(((5,), (5,))) == ("nobind", 1)
 
 
 def test_cluster_at_tp2_on_two_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,7 +42,7 @@ def test_cluster_at_tp2_on_two_cores(tmp_path: Path, monkeypatch: pytest.MonkeyP
         argv = inst.argv
         assert argv[:3] == ["taskset", "-c", "0,1"]
         assert argv[argv.index("--tensor-parallel-size") + 1] == "2"
-        assert inst.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+        assert inst.env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # 4 ranks on 2 cores
         assert inst.env["OMP_NUM_THREADS"] == "1"
         assert inst.side_channel_port is not None
         ranks = {inst.side_channel_port, inst.side_channel_port + 1}  # rank r: port + r

@@ -8,8 +8,9 @@ Contract:
   stops the router first, then every api_server, each by process group (`Instance.stop`).
   A start that fails stops whatever it had started and raises `ServingError` with the log.
 - CPU (``device="cpu"``): cores of this process's affinity are split between instances
-  (`split_cores`; on 2 cores prefills share core 0, decodes core 1), each pinned with
-  ``taskset`` and vLLM's ``VLLM_CPU_OMP_THREADS_BIND``; ``kv_buffer_device: cpu``.
+  (`placement.place_ranks`; on 2 cores at TP 1 prefills share core 0, decodes core 1),
+  each pinned with ``taskset`` and its ranks with vLLM's ``VLLM_CPU_OMP_THREADS_BIND``
+  (left to the kernel where ranks outnumber cores); ``kv_buffer_device: cpu``.
   CUDA (``device="cuda"``):
   each api_server gets one GPU of ``CUDA_VISIBLE_DEVICES`` (distinct while they last); the
   host path is vLLM's own there (``kv_buffer_device: cpu``), nothing forced.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -44,6 +44,14 @@ from kvstage.serving.kv_config import (
     is_loopback,
     kv_transfer_config,
     side_channel_env,
+)
+from kvstage.serving.placement import (  # noqa: F401  (re-exported)
+    UNBOUND,
+    gpu_assignment,
+    omp_threads_bind,
+    place_ranks,
+    split_cores,
+    visible_gpus,
 )
 
 CONNECTORS = ("kvstage", "nixl", "none")
@@ -72,39 +80,6 @@ def connector_config(connector: str, role: str, *, device: str, policy: str,
     return cfg
 
 
-def split_cores(cores: list[int], num_prefill: int, num_decode: int) -> list[tuple[int, ...]]:
-    """Cores per instance, prefills first: a chunk each when there are enough cores, else
-    prefills share the first half and decodes the rest (all share one core if only one)."""
-    n = num_prefill + num_decode
-    if len(cores) >= n:
-        per = len(cores) // n
-        return [tuple(cores[i * per:(i + 1) * per]) for i in range(n)]
-    if len(cores) == 1:
-        return [tuple(cores)] * n
-    half = max(1, len(cores) * num_prefill // n)
-    return [tuple(cores[:half])] * num_prefill + [tuple(cores[half:])] * num_decode
-
-
-def place_ranks(cores: list[int], num_prefill: int, num_decode: int, prefill_tp: int = 1,
-                decode_tp: int = 1) -> list[tuple[tuple[int, ...], ...]]:
-    """Cores per instance and tensor-parallel rank, prefills first. At TP 1 everywhere,
-    `split_cores`. Else, with a core per rank or more: consecutive chunks (each rank
-    ``len(cores) // ranks`` cores); with fewer, every instance spreads its ranks over all
-    cores (rank r on core r mod n), sharing them with the other instances."""
-    tps = [prefill_tp] * num_prefill + [decode_tp] * num_decode
-    if prefill_tp == decode_tp == 1:
-        return [(c,) for c in split_cores(cores, num_prefill, num_decode)]
-    ranks = sum(tps)
-    if len(cores) >= ranks:
-        per, out, first = len(cores) // ranks, [], 0
-        for tp in tps:
-            out.append(tuple(tuple(cores[(first + r) * per:(first + r + 1) * per])
-                             for r in range(tp)))
-            first += tp
-        return out
-    return [tuple((cores[r % len(cores)],) for r in range(tp)) for tp in tps]
-
-
 def default_device() -> str:
     """"cuda" when an NVIDIA device node exists and CUDA_VISIBLE_DEVICES does not hide it."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -127,48 +102,6 @@ def across_hosts_ucx(host: str) -> dict[str, str]:
         env = ucx_env.choose("0.0.0.0").env
         env.pop("UCX_NET_DEVICES", None)
         return env
-
-
-def visible_gpus() -> list[str]:
-    """``CUDA_VISIBLE_DEVICES``'s entries when it is set, else the NVIDIA device nodes found
-    (``/dev/nvidia<N>``, as numbers)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        nodes = os.listdir("/dev")
-    except OSError:
-        return []
-    return sorted((n[6:] for n in nodes if re.fullmatch(r"nvidia\d+", n)), key=int)
-
-
-def gpu_assignment(count: int, *, share: bool = False,
-                   tps: list[int] | None = None) -> list[str]:
-    """GPUs per instance (``CUDA_VISIBLE_DEVICES``, comma-separated): instance i takes
-    ``tps[i]`` GPUs (its tensor-parallel size; default 1 each), in order. Fewer visible
-    GPUs than that is refused unless ``share`` (then GPUs are reused, in order, mod the
-    number visible; an instance's ranks on distinct GPUs while there are enough)."""
-    tps = tps or [1] * count
-    need = sum(tps)
-    gpus = visible_gpus()
-    if not gpus:
-        raise ServingError("device cuda but no GPU visible (CUDA_VISIBLE_DEVICES empty, no "
-                           "/dev/nvidia<N>); run with device cpu")
-    if max(tps) > len(gpus):
-        raise ServingError(f"tensor-parallel size {max(tps)} needs {max(tps)} GPUs per "
-                           f"instance, {len(gpus)} visible ({','.join(gpus)}): lower the "
-                           "size or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
-    if len(gpus) < need and not share:
-        raise ServingError(
-            f"{count} api_servers need {need} GPUs, {len(gpus)} visible "
-            f"({','.join(gpus)}): set CUDA_VISIBLE_DEVICES to {need} GPUs, start fewer "
-            f"instances, or share them (share_gpus=True, serve-pd --share-gpus: GPUs reused "
-            f"in order mod {len(gpus)}, with --gpu-memory-utilization sized for it)")
-    out, first = [], 0
-    for tp in tps:
-        out.append(",".join(gpus[(first + r) % len(gpus)] for r in range(tp)))
-        first += tp
-    return out
 
 
 def router_executable() -> str:
@@ -213,11 +146,11 @@ def api_server_instance(name: str, role: str, model: str, *, port: int, log_dir:
     if device == "cpu":
         if cores:
             argv = ["taskset", "-c", ",".join(map(str, cores)), *argv]
-            per_rank = rank_cores or (cores,)
-            # vLLM's CPU workers: rank r's OpenMP threads on the r-th |-separated list
-            child_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-                ",".join(map(str, r)) for r in per_rank)
-            child_env["OMP_NUM_THREADS"] = str(len(per_rank[0]))
+            # vLLM's CPU workers: rank r's OpenMP threads on the r-th |-separated list, or
+            # no binding where ranks share cores
+            bind, threads = omp_threads_bind(rank_cores or (cores,))
+            child_env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            child_env["OMP_NUM_THREADS"] = str(threads)
         if is_loopback(host):
             child_env["UCX_NET_DEVICES"] = "lo"
     if not is_loopback(host):

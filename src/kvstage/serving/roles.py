@@ -6,8 +6,8 @@ the router on yet another. Contract:
   started), bound to ``host`` (their HTTP server, NIXL side channel and ``VLLM_HOST_IP``:
   the address peers use), HTTP ports ``port + i`` and side-channel ports
   ``side_channel_port + i * tp`` (rank r of instance i on that + r); on CPU pinned to
-  this process's cores (`cluster.place_ranks`), on CUDA ``tp`` GPUs each
-  (`cluster.gpu_assignment`).
+  this process's cores (`placement.place_ranks`), on CUDA ``tp`` GPUs each
+  (`placement.gpu_assignment`).
 - `host_router(prefill_urls, decode_urls, ...)`: vllm-router in front of instances on
   other hosts (not started).
 - `check_keyed(host, kv_extra)`: an address other machines can reach needs the shared key

@@ -7,8 +7,9 @@ Contract:
 - ``tensor_parallel_size > 1``: the engine core stays in that process and vLLM's
   multiprocessing executor (``distributed_executor_backend="mp"``) forks one worker per rank,
   each bound to its own core(s) (``VLLM_CPU_OMP_THREADS_BIND`` = `EngineSpec.omp_threads_bind`,
-  e.g. ``"0|1"``). The workers stay in the engine's process group, so `stop` and `kill` reach
-  them too. Idle CPU workers spin-wait: an idle TP engine keeps its cores busy.
+  e.g. ``"0|1"``), or left to the kernel (``bind_cores=False``: ``"nobind"``). The workers
+  stay in the engine's process group, so `stop` and `kill` reach them too. Idle CPU
+  workers spin-wait: an idle TP engine keeps its cores busy.
 - Requests go in as JSON lines on the child's stdin; results come back as JSON lines on a
   dedicated pipe (vLLM's own prints go to the log file, never into the protocol).
 - `held` steps the engine core a bounded number of times and reports the requests a
@@ -67,6 +68,9 @@ class EngineSpec:
     tensor_parallel_size: int = 1
     # one core per rank (rank r on cpu_cores[r]); None: cpu_core, cpu_core + 1, ...
     cpu_cores: tuple[int, ...] | None = None
+    # False: the ranks are left to the kernel ("nobind"), as serve-pd leaves instances whose
+    # ranks outnumber the cores (`kvstage.serving.placement.place_ranks`)
+    bind_cores: bool = True
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -79,7 +83,10 @@ class EngineSpec:
             object.__setattr__(self, "cpu_cores", cores)
 
     def omp_threads_bind(self) -> str:
-        """``VLLM_CPU_OMP_THREADS_BIND``: the ranks' cores, ``|``-separated ("0|1")."""
+        """``VLLM_CPU_OMP_THREADS_BIND``: the ranks' cores, ``|``-separated ("0|1"), or
+        "nobind" (``bind_cores`` False)."""
+        if not self.bind_cores:
+            return "nobind"
         if self.cpu_cores is None:
             if self.tensor_parallel_size == 1:
                 return str(self.cpu_core)
