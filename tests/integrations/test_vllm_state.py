@@ -22,7 +22,12 @@ import torch
 
 from kvstage.cache import HostBuffer
 from kvstage.engine import CopyEngine, Direction
-from kvstage.integrations.vllm.copies import kvstage_groups, unsupported, wrap_vllm_caches
+from kvstage.integrations.vllm.copies import (
+    kvstage_groups,
+    tp_shards,
+    unsupported,
+    wrap_vllm_caches,
+)
 from kvstage.layout import FullAttentionSpec as KSFull
 from kvstage.layout import MambaSpec as KSMamba
 from kvstage.plan import runs_of_ids
@@ -138,3 +143,22 @@ def test_mamba_layout_not_dense_refused() -> None:
     kvstage_groups(groups, bad, NUM_BLOCKS // 2)  # the spec is one kvstage copies ...
     with pytest.raises(ValueError, match="not \\[num_blocks, ...\\] with each block one dense"):
         wrap_vllm_caches(bad, groups, NUM_BLOCKS // 2, "tiny-granite")  # ... not its layout
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    pass
+
+
+def test_tp_shards_from_vllm_specs() -> None:
+    """vLLM's specs count this rank's heads: the global count is that times the TP size,
+    or the model's total where one head per rank is a replica; state groups are counted."""
+    from kvstage.pd.tp_map import AttentionShards, ReplicatedShards
+
+    two = FullAttentionSpec(block_size=8, num_kv_heads=2)
+    one = FullAttentionSpec(block_size=8, num_kv_heads=1)
+    assert tp_shards([two, MambaSpec(block_size=512)], 2, 4) == (
+        [AttentionShards(num_kv_heads=4)], 1)
+    assert tp_shards([one], 4, 1) == ([AttentionShards(num_kv_heads=1)], 0)  # replicas
+    assert tp_shards([one], 2, 2) == ([AttentionShards(num_kv_heads=2)], 0)  # split
+    assert tp_shards([MLAAttentionSpec(block_size=8)], 2, 1) == ([ReplicatedShards()], 0)

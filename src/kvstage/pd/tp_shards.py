@@ -87,7 +87,8 @@ class AttentionShards:
         return f"{heads}/{tp} heads (does not shard)"
 
     def label(self) -> str:
-        return f"attention ({self.num_kv_heads} KV heads)"
+        heads = self.num_kv_heads
+        return f"attention ({heads} KV head{'' if heads == 1 else 's'})"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -204,7 +204,9 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
         config = self.kv_cache_config
         groups = [(list(g.layer_names), g.kv_cache_spec) for g in config.kv_cache_groups]
         model = str(self.vllm_config.model_config.model)
-        cache = self._worker().register(kv_caches, groups, int(config.num_blocks), model)
+        heads = int(self.vllm_config.model_config.get_total_num_kv_heads())
+        cache = self._worker().register(kv_caches, groups, int(config.num_blocks), model,
+                                        total_kv_heads=heads)
         logger.info("kvstage: rank %d: %d layer names over %d physical tensors, host buffer "
                     "%d bytes (block-major), side channel %s:%d", self._worker().rank,
                     len(kv_caches), cache.layout.num_tensors, cache.layout.pool_bytes,

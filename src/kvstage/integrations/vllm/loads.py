@@ -47,8 +47,13 @@ class Loads:
     """One rank's decode role behind a starter thread (module doc)."""
 
     def __init__(self, role: DecodeWorker, *, rank: int, tp_size: int, key: bytes | None,
-                 log: Any, log_reads: bool = False) -> None:
+                 log: Any, log_reads: bool = False,
+                 across_sizes: Callable[[int], str] | None = None) -> None:
         self.role, self.rank, self.tp_size, self.key = role, rank, tp_size, key
+        # the refusal of a prefill at another TP size, given that size
+        self.across_sizes = across_sizes or (
+            lambda tp: f"prefill TP {tp} to decode TP {self.tp_size}: serve prefill and decode "
+                       "at the same TP size")
         self.log, self.log_reads = log, log_reads
         self.lock = threading.Lock()  # every call into the role
         self.mutex = threading.Lock()  # the sets and stats below
@@ -67,8 +72,14 @@ class Loads:
     def start(self, rid: str, load: Load) -> None:
         remote = load.remote
         if remote.tp_size != self.tp_size:
-            self.fail(rid, f"the prefill runs at tensor-parallel size {remote.tp_size}, this "
-                           f"decode at {self.tp_size}: serve both at the same size")
+            self.fail(rid, self.across_sizes(remote.tp_size))
+            # free it on every prefill rank now, not at its lease's end: this rank releases
+            # prefill ranks rank, rank + tp_size, ... (the decode's ranks cover all of them)
+            for p in range(self.rank, remote.tp_size, self.tp_size):
+                addr = (remote.host, remote.port + p)
+                self._queue(lambda a=addr: self.role.release_remote(  # type: ignore[misc]
+                    a, remote.request_id, remote.capability),
+                    f"the release of {remote.request_id} on prefill rank {p}")
             return
         queued = time.monotonic()
         self._queue(lambda: self._start(rid, load, queued), f"the start of request {rid}")

@@ -44,12 +44,13 @@ from typing import Any
 import torch
 
 from kvstage.cache import KVCache
-from kvstage.integrations.vllm.copies import wrap_vllm_caches
+from kvstage.integrations.vllm.copies import tp_shards, wrap_vllm_caches
 from kvstage.integrations.vllm.loads import Loads
 from kvstage.integrations.vllm.metadata import StepMeta
 from kvstage.integrations.vllm.stats import KVStageStats
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.tp_map import refuse_across_sizes
 
 IDLE_WAIT_S = 0.5  # the serving thread's wait with nothing held (a message wakes it)
 HELD_WAIT_S = 0.002  # ... while requests are held (NIXL notifications are polled)
@@ -109,7 +110,9 @@ class WorkerSide:
 
     # -- start ---------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor], groups: list[tuple[list[str], Any]],
-                 num_blocks: int, model: str) -> KVCache:
+                 num_blocks: int, model: str, total_kv_heads: int = 0) -> KVCache:
+        """``total_kv_heads``: the model's KV heads over all ranks (vLLM's model config), to
+        tell a prefill at another TP size how the pair would map (`tp_map`)."""
         cache = wrap_vllm_caches(kv_caches, groups, num_blocks, model)
         self.block_bytes = cache.layout.block_bytes
         from kvstage.transport import ucx_env
@@ -136,8 +139,16 @@ class WorkerSide:
                 cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
                 verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
                 handshake_timeout_s=self.lease_s / 2, read_timeout_s=self.lease_s / 2)
+            shards, states = tp_shards([spec for _, spec in groups], self.tp_size,
+                                       total_kv_heads)
+
+            def across_sizes(prefill_tp: int) -> str:
+                return refuse_across_sizes(prefill_tp, self.tp_size, shards, model=model,
+                                           num_state_groups=states)
+
             self.loads = Loads(role, rank=self.rank, tp_size=self.tp_size, key=self.key,
-                               log=self.log, log_reads=self.log_reads)
+                               log=self.log, log_reads=self.log_reads,
+                               across_sizes=across_sizes)
         return cache
 
     # -- prefill -------------------------------------------------------------------------
