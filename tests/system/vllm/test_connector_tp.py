@@ -15,13 +15,14 @@ What each case asserts, exactly:
   decode's ``kv_load_failure_policy`` says, and the decode serves on.
 
 Engines run in child processes (`kvstage.testing.vllm_engines`), each bounded in time and
-killed at teardown; the TP 2 ones bind rank r to core r. Two TP 2 instances on 2 cores
-(4 vLLM workers, 2 engine cores) answer slowly: their lease is 300 s, so the handshake and
-READ bounds (half a lease) leave room (`TP2_LEASE`), and their OpenMP threads sleep when
-idle (`TP2_ENV`). Even so a rank's first handshake took 16 s to over 3 minutes on this
-2-core VM, so with fewer than 4 cores the TP 2 P/D cases run only with
-``KVSTAGE_TEST_TP2_PD=1`` (`tp2_pd`); they passed so on 2026-12-05 in separate runs
-(Gemma3 and Nemotron-H in one, the Llama in another), not all in one.
+killed at teardown. The TP 2 ones bind rank r to core r where there is a core per rank of
+both instances (4 or more); with fewer their ranks are left to the kernel (``nobind``), as
+`kvstage serve-pd` leaves them: binding rank r of both instances to core r put both ranks'
+threads (the side channel's, zmq's and UCX's inherit the binding) on one core, and a rank's
+first handshake took 35 s to over 150 s on 2 cores; unbound, 0.03 s to 75 s (BENCHMARKS
+"Tensor parallelism"). So their lease is 600 s (the handshake and READ bounds are half a
+lease: `TP2_LEASE`), the client waits up to `TP2_TIMEOUT_S`, and their OpenMP threads sleep
+when idle (`TP2_ENV`).
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def _prompts(lens: tuple[int, ...], seed: int) -> list[list[int]]:
 
 
 PROMPTS = _prompts((5, 40, 100, 150, 300), seed=7)
-#: TP 2 instances share 2 cores (4 vLLM workers with their OpenMP threads, 2 engine
-#: cores): a rank's first handshake took 7-59 s in one run, and over 60 s three times in
-#: a row in another; a longer lease gives the handshake and each READ (bounded by half of
-#: it) room, without changing what is checked
-TP2_LEASE = {"kv_lease_duration": 300}
+#: two TP 2 instances on a small machine (4 vLLM workers, 2 engine cores): a longer lease
+#: gives the handshake and each READ (bounded by half of it) room on a loaded machine,
+#: without changing what is checked
+TP2_LEASE = {"kv_lease_duration": 600}
+#: the client's bound on a TP 2 P/D generate: past the handshake bound (half the lease)
+TP2_TIMEOUT_S = 480.0
 #: OpenMP threads that sleep when idle instead of spinning: with two TP 2 instances on 2
 #: cores every core holds two ranks' pinned OpenMP threads, and spinning ones starve the
 #: other instance's side channel (docs/deploy.md, CPU placement)
@@ -98,6 +100,7 @@ def _spec(tmp: Path, name: str, log: str, tp: int, kv_config: dict[str, Any] | N
         model=str(model), log_path=str(tmp / log), kv_transfer_config=kv_config,
         max_model_len=512, max_num_batched_tokens=120, block_size=block,
         tensor_parallel_size=tp, cpu_cores=(0, 1) if tp == 2 else None, cpu_core=0,
+        bind_cores=tp == 1 or len(os.sched_getaffinity(0)) >= 2 * tp,
         env={**env, **(side_channel_env(port) if port else {}), **(TP2_ENV if tp == 2 else {})},
     )
 
@@ -118,7 +121,8 @@ def _pd(tmp: Path, name: str, tp: int, **extra: Any) -> tuple[list[Completion], 
         with VLLMEngine(_spec(tmp, name, f"{name}-d{tp}.log", tp,
                               kv("kv_consumer", **extra), d_port)) as decode:
             decode.start()
-            got = generate_pd(prefill, decode, PROMPTS, max_tokens=MAX_TOKENS)
+            got = generate_pd(prefill, decode, PROMPTS, max_tokens=MAX_TOKENS,
+                              timeout=TP2_TIMEOUT_S)
             held = prefill.held(steps=40, interval_s=0.05).request_ids
     return got, held
 
@@ -142,16 +146,6 @@ def test_tp1_gemma3_ids_and_logprobs_exact(tmp: Path) -> None:
     assert held == []
 
 
-#: two TP 2 instances on a 2-core machine starve each other's side channel (module doc):
-#: there these cases run only when asked; on a machine with a core per rank they pass as is
-tp2_pd = pytest.mark.skipif(
-    os.environ.get("KVSTAGE_TEST_TP2_PD") != "1" and len(os.sched_getaffinity(0)) < 4,
-    reason="two TP 2 instances on fewer than 4 cores: a rank's first handshake took "
-    "16 s to over 3 min on 2 cores (pinned, spinning OpenMP threads of 4 ranks starve the side "
-    "channel), past the client's bound; KVSTAGE_TEST_TP2_PD=1 runs them anyway")
-
-
-@tp2_pd
 @pytest.mark.parametrize(("name", "extra"), [
     ("llama-2kv", {"kvstage_verify_checksum": True}),
     ("gemma3-swa", {}),
@@ -180,7 +174,6 @@ def _worker_pids(pgid: int) -> list[int]:
     return sorted(out)
 
 
-@tp2_pd
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 def test_tp2_prefill_rank_killed(tmp: Path, policy: str) -> None:
     """The prefill's rank 1 worker SIGKILLed after the prompts were prefilled, before the
@@ -202,7 +195,7 @@ def test_tp2_prefill_rank_killed(tmp: Path, policy: str) -> None:
             workers = _worker_pids(prefill.pid)
             assert len(workers) == 2, workers
             os.kill(workers[-1], signal.SIGKILL)  # the rank started last
-            got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, timeout=240,
+            got = decode.generate(PROMPTS, max_tokens=MAX_TOKENS, timeout=TP2_TIMEOUT_S,
                                   kv_transfer_params=[c.kv_transfer_params for c in first])
             again = decode.generate(PROMPTS[:1], max_tokens=MAX_TOKENS)  # serves on, alone
     if policy == "fail":
@@ -210,3 +203,41 @@ def test_tp2_prefill_rank_killed(tmp: Path, policy: str) -> None:
     else:
         assert _ids_differ(expected, got) == []
     assert again[0].token_ids == expected[0].token_ids
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "policy"), [
+    (2, 1, "recompute"),
+    (1, 2, "fail"),
+])
+def test_tp_sizes_that_differ_are_refused_per_request(tmp: Path, prefill_tp: int,
+                                                      decode_tp: int, policy: str) -> None:
+    """A prefill at another TP size: every request's load is refused in one line that says
+    the pair maps exactly but is read between equal sizes only, naming both sizes and the
+    heads per rank; the request ends as ``kv_load_failure_policy`` says (``recompute``: the
+    single engine's tokens, computed at the decode; ``fail``: an error, no tokens), none
+    hangs, and the prefill holds nothing after (the decode released every request). The
+    Llama with 2 KV heads: 1 per rank at TP 2, so the mapping named reads head slices."""
+    name = "llama-2kv"
+    expected = _single(tmp, name)
+    p_port, d_port = free_ports(2, width=2)
+    decode_kv = {**kv("kv_consumer", **TP2_LEASE), "kv_load_failure_policy": policy}
+    with VLLMEngine(_spec(tmp, name, f"mix-{prefill_tp}{decode_tp}-p.log", prefill_tp,
+                          kv("kv_producer", **TP2_LEASE), p_port)) as prefill:
+        prefill.start()
+        with VLLMEngine(_spec(tmp, name, f"mix-{prefill_tp}{decode_tp}-d.log", decode_tp,
+                              decode_kv, d_port)) as decode:
+            decode.start()
+            got = generate_pd(prefill, decode, PROMPTS, max_tokens=MAX_TOKENS,
+                              timeout=TP2_TIMEOUT_S)
+            held = prefill.held(steps=40, interval_s=0.05).request_ids
+            log = decode.log_tail(200_000)
+    if policy == "fail":
+        assert [(g.finish_reason, g.token_ids) for g in got] == [("error", [])] * len(PROMPTS)
+    else:
+        assert _ids_differ(expected, got) == []
+    assert held == []
+    assert (f"prefill TP {prefill_tp} to decode TP {decode_tp} for model '{tmp / name}': an "
+            "exact mapping exists") in log
+    per_rank = {1: "2 heads", 2: "1 head"}
+    assert (f"group 0 attention (2 KV heads) holds {per_rank[prefill_tp]} at prefill TP "
+            f"{prefill_tp}, {per_rank[decode_tp]} at decode TP {decode_tp}") in log
