@@ -51,3 +51,15 @@ def test_cli_flag_out_of_range(
     assert expected in capsys.readouterr().err
 
 
+
+
+def test_decode_pipelines_off_loopback_by_default() -> None:
+    """`kvstage decode`: --pipeline / --no-pipeline as given, else on for a prefill off
+    loopback (every chunk in flight fills a TCP link one READ does not), off on loopback."""
+    from kvstage.cli.decode import pipelined
+
+    assert pipelined(None, "10.77.0.1") is True
+    assert pipelined(None, "127.0.0.1") is False
+    assert pipelined(None, "localhost") is False
+    assert pipelined(False, "10.77.0.1") is False
+    assert pipelined(True, "127.0.0.1") is True

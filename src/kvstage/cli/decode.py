@@ -138,10 +138,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_ucx_arguments(p)
     cli_args.add_auth_arguments(p)
     cli_args.add_integrity_argument(p)
-    p.add_argument("--pipeline", action="store_true",
+    p.add_argument("--pipeline", action=argparse.BooleanOptionalAction, default=None,
                    help="READ each request in chunks and load chunk k to the device while "
                         "k+1 is in flight (kvstage.pd.pipeline; BENCHMARKS.md 'Does "
-                        "pipelining hide the copies?')")
+                        "pipelining hide the copies?'). Default: on for a prefill off "
+                        "loopback, where every chunk in flight fills a TCP link that one "
+                        "READ does not (BENCHMARKS.md 'How fast is the READ across hosts "
+                        "over TCP?'), off on loopback")
+
+
+def pipelined(asked: bool | None, host: str) -> bool:
+    """``--pipeline`` / ``--no-pipeline`` as given, else on for a prefill off loopback."""
+    from kvstage.pd.auth import is_loopback
+
+    return asked if asked is not None else not is_loopback(host)
 
 
 def _failed_row(layout: str, rid: str, tokens: int, status: str, reason: str) -> Row:
@@ -188,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
                 layout, device=args.device, host_layout=args.host_layout,
                 transport=args.transport, read_timeout_s=args.read_timeout_s,
                 handshake_timeout_s=args.handshake_timeout_s, key=key,
-                verify_checksum=args.verify_checksum, pipeline=args.pipeline,
+                verify_checksum=args.verify_checksum, pipeline=pipelined(args.pipeline, addr[0]),
             )
         except (OSError, RuntimeError, ValueError, ImportError) as exc:
             print(f"kvstage decode: cannot start the decode worker ({ucx}): {exc}",
