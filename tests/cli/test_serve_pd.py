@@ -15,8 +15,9 @@ import pytest
 
 from kvstage.cli import main as cli_main
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, Instance, PDCluster, ServingError
-from kvstage.serving.cluster import connector_config, gpu_assignment, split_cores
+from kvstage.serving.cluster import connector_config
 from kvstage.serving.engine_args import DEFAULT_ENGINE_ARGS, with_user_flags
+from kvstage.serving.placement import gpu_assignment, split_cores
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:

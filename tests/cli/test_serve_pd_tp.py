@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvstage.serving import TINY_CPU_ENGINE_ARGS, PDCluster, ServingError
-from kvstage.serving.cluster import gpu_assignment, omp_threads_bind, place_ranks
+from kvstage.serving.placement import gpu_assignment, omp_threads_bind, place_ranks
 from tests.cli.test_serve_pd import _dry
 
 

@@ -45,14 +45,7 @@ from kvstage.serving.kv_config import (
     kv_transfer_config,
     side_channel_env,
 )
-from kvstage.serving.placement import (  # noqa: F401  (re-exported)
-    UNBOUND,
-    gpu_assignment,
-    omp_threads_bind,
-    place_ranks,
-    split_cores,
-    visible_gpus,
-)
+from kvstage.serving.placement import gpu_assignment, omp_threads_bind, place_ranks
 
 CONNECTORS = ("kvstage", "nixl", "none")
 FAILURE_POLICIES = ("fail", "recompute")

@@ -25,16 +25,11 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from kvstage.serving.cluster import (
-    api_server_instance,
-    connector_config,
-    gpu_assignment,
-    place_ranks,
-    router_instance,
-)
+from kvstage.serving.cluster import api_server_instance, connector_config, router_instance
 from kvstage.serving.engine_args import EngineArgs
 from kvstage.serving.instances import Instance, ServingError
 from kvstage.serving.kv_config import is_loopback
+from kvstage.serving.placement import gpu_assignment, place_ranks
 
 ROLES = ("prefill", "decode", "router")
 

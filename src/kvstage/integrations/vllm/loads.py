@@ -25,6 +25,7 @@ starts. ``done``, ``failed``, ``stats`` and ``peers`` are written by both, under
 
 from __future__ import annotations
 
+import functools
 import queue
 import socket
 import threading
@@ -77,9 +78,9 @@ class Loads:
             # prefill ranks rank, rank + tp_size, ... (the decode's ranks cover all of them)
             for p in range(self.rank, remote.tp_size, self.tp_size):
                 addr = (remote.host, remote.port + p)
-                self._queue(lambda a=addr: self.role.release_remote(  # type: ignore[misc]
-                    a, remote.request_id, remote.capability),
-                    f"the release of {remote.request_id} on prefill rank {p}")
+                release = functools.partial(self.role.release_remote, addr, remote.request_id,
+                                            remote.capability)
+                self._queue(release, f"the release of {remote.request_id} on prefill rank {p}")
             return
         queued = time.monotonic()
         self._queue(lambda: self._start(rid, load, queued), f"the start of request {rid}")
