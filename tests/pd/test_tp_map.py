@@ -283,21 +283,16 @@ def test_describe() -> None:
 
 def test_refuse_across_sizes_says_whether_the_pair_could_map() -> None:
     heads2 = [AttentionShards(num_kv_heads=2), AttentionShards(num_kv_heads=2)]
-    # exact mapping exists: named, with the mapping and each side's heads per rank
-    assert refuse_across_sizes(2, 1, heads2, model="gemma3") == (
-        "prefill TP 2 to decode TP 1 for model 'gemma3': an exact mapping exists "
-        "(TP 2 -> 1 (gemma3): S=1 R=2; d0 <- p0 p1; per rank: group 0 attention (2 KV heads) "
-        "holds 1 head at prefill TP 2, 2 heads at decode TP 1; group 1 attention (2 KV heads) "
-        "holds 1 head at prefill TP 2, 2 heads at decode TP 1) but kvstage reads between ranks "
-        "of equal TP sizes only; serve prefill and decode at the same TP size"
+    # exact mapping exists: named, with the mapping, each side's heads per rank, the fix
+    assert refuse_across_sizes(2, 1, heads2, model="gemma3", expected=1) == (
+        "prefill TP 2 to decode TP 1 for model 'gemma3': this decode reads prefills at TP 1 "
+        "(kvstage_peer_tp_size); the pair maps exactly (TP 2 -> 1 (gemma3): S=1 R=2; d0 <- "
+        "p0 p1; per rank: group 0 attention (2 KV heads) holds 1 head at prefill TP 2, 2 "
+        "heads at decode TP 1; group 1 attention (2 KV heads) holds 1 head at prefill TP 2, "
+        "2 heads at decode TP 1): start the decode with kvstage_peer_tp_size=2 and the "
+        "prefill with kvstage_peer_tp_size=1"
     )
     # cannot be exact: plan_tp's own refusal, both sizes and the model
     line = refuse_across_sizes(2, 3, [AttentionShards(num_kv_heads=12)], model="llama")
     assert line.startswith("cannot map prefill TP 2 to decode TP 3 for model 'llama'")
-    # state groups: refused before any mapping
-    assert refuse_across_sizes(1, 2, heads2[:1], model="nemotron-h", num_state_groups=1) == (
-        "prefill TP 1 to decode TP 2 for model 'nemotron-h': the model has 1 state group(s) "
-        "(Mamba / linear attention), whose state kvstage does not split across TP sizes; "
-        "serve prefill and decode at the same TP size"
-    )
     assert "\n" not in line

@@ -105,8 +105,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-tp", type=positive(int, "--prefill-tp", high=MAX_TP), default=1,
                    help="tensor-parallel size of each prefill instance (default 1)")
     p.add_argument("--decode-tp", type=positive(int, "--decode-tp", high=MAX_TP), default=1,
-                   help="tensor-parallel size of each decode instance (default 1; today "
-                        "equal to --prefill-tp)")
+                   help="tensor-parallel size of each decode instance (default 1; another "
+                        "than --prefill-tp: each side cuts its pages for the other's size, "
+                        "README \"Tensor parallelism\"; --role prefill/decode need both)")
     p.add_argument("--port", type=_port, default=8000,
                    help="the router's port; with --role prefill/decode the first instance's "
                         "(instance i: port + i) (default 8000)")
@@ -198,10 +199,14 @@ def run(args: argparse.Namespace) -> int:
         if args.key_file:
             kv_extra["kvstage_key_file"] = args.key_file
         count = {"prefill": args.prefill, "decode": args.decode}.get(args.role, 1)
-        if args.prefill_tp != args.decode_tp and args.role == "all":
-            raise ServingError(f"--prefill-tp {args.prefill_tp} and --decode-tp "
-                               f"{args.decode_tp} differ: kvstage's connector moves KV "
-                               "between equal tensor-parallel sizes; give both the same size")
+        if args.prefill_tp != args.decode_tp:
+            if args.connector != "kvstage":
+                raise ServingError(f"--prefill-tp {args.prefill_tp} and --decode-tp "
+                                   f"{args.decode_tp} differ: serve-pd maps different sizes "
+                                   "with --connector kvstage only")
+            if args.role in ("prefill", "decode"):  # the other side's TP size
+                kv_extra["kvstage_peer_tp_size"] = (args.decode_tp if args.role == "prefill"
+                                                    else args.prefill_tp)
         if args.role == "all" and args.host != "127.0.0.1":
             raise ServingError("--host is for --role prefill/decode/router (one host's part); "
                                "--role all runs everything on 127.0.0.1")

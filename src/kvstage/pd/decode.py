@@ -77,6 +77,8 @@ from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public na
     pair_runs,
 )
 from kvstage.pd.side_channel import DEFAULT_TIMEOUT_S, SideChannelClient
+from kvstage.pd.tp_copy import HostPart, PartCopy
+from kvstage.pd.tp_parts import TPSide
 from kvstage.transport.base import Transport
 
 
@@ -104,7 +106,16 @@ class DecodeWorker:
         pipeline: bool = False,
         prepared_reads: bool = False,
         any_pool_size: bool = False,
+        tp: TPSide | None = None,
+        region: int = 0,
+        slice_index: int = 0,
+        num_slices: int = 1,
+        host_buffer: HostBuffer | None = None,
     ) -> None:
+        """Across TP sizes (``tp``: `kvstage.pd.tp_parts`), this worker fills region
+        ``region`` of R of each local page from slice ``slice_index`` of ``num_slices`` of
+        one prefill rank's pages (`kvstage.pd.tp_map`); the R workers of a rank share one
+        ``host_buffer`` (the device pool's bytes), each registering its region."""
         try:
             self.any_pool_size = bool(any_pool_size)  # `kvstage.pd.handshake`
             self.pipeline = bool(pipeline)  # chunked READ, h2d overlapped (`pd.pipeline`)
@@ -120,8 +131,14 @@ class DecodeWorker:
             self.engine_id = engine_id or f"decode-{uuid.uuid4().hex[:8]}"
             self.cache = cache
             self.pool = pool
-            self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
-            self.engine = CopyEngine(cache, self.host)
+            self.tp, self.slice_index, self.num_slices = tp, slice_index, num_slices
+            whole = host_buffer or HostBuffer.for_device(self.layout, cache.device, host_layout)
+            self.host: HostBuffer | HostPart = whole
+            self.engine: CopyEngine | PartCopy = CopyEngine(cache, whole)
+            if tp is not None:  # region ``region`` of every page (`kvstage.pd.tp_copy`)
+                self.host = HostPart(whole, tp.parts, region)
+                self.engine = PartCopy(cache, whole, tp.parts, region=region)
+            self.row_bytes = tp.parts.row_bytes if tp else self.layout.block_bytes
             self.loader = Loader(self.engine)
             # prepared descriptor lists (NIXL prep_xfer_dlist once per side), opt-in
             self.poster = Poster(transport, self.host, prepared_reads)
@@ -148,7 +165,8 @@ class DecodeWorker:
         remote = handshake(self.client(host, port), host, port, engine_id=self.engine_id,
                            layout=self.layout, host_layout=self.host.host_layout,
                            read_timeout_s=self.read_timeout_s, transport=self.transport,
-                           any_pool_size=self.any_pool_size)
+                           any_pool_size=self.any_pool_size, tp=self.tp,
+                           slice_index=self.slice_index, num_slices=self.num_slices)
         self._remotes[key] = remote
         return remote
 
@@ -187,7 +205,7 @@ class DecodeWorker:
             self._owned[request_id] = local
         result = RequestResult(request_id, "pending", local_block_ids=local)
         result.num_runs = int(runs.shape[0])
-        result.nbytes = int(runs[:, 2].sum()) * self.layout.block_bytes if runs.size else 0
+        result.nbytes = int(runs[:, 2].sum()) * self.row_bytes if runs.size else 0
         try:
             remote = self.connect(*remote_addr)
             if self.any_pool_size:  # a prefill's pool may be larger or smaller than ours
@@ -195,7 +213,8 @@ class DecodeWorker:
             if runs.shape[0] == 0:
                 return self._finish(result, None)
             lease = self.client(*remote_addr).call(
-                m.Acquire(request_id=remote_rid, capability=capability)
+                m.Acquire(request_id=remote_rid, capability=capability,
+                          slice_index=self.slice_index)
             )
             if not isinstance(lease, m.Lease):
                 raise ProtocolMismatch(
@@ -212,8 +231,9 @@ class DecodeWorker:
                                   code=CHECKSUM_MISSING)
             digests = (integrity.digest_map(remote_block_ids, lease.checksums)
                        if self.verify_checksum else None)
-            chunks = (split_runs(runs, self.layout.block_bytes) if self.pipeline
-                      else [runs])
+            if isinstance(self.engine, PartCopy):  # the group of each local id: its segments
+                self.engine.assign(local)
+            chunks = (split_runs(runs, self.row_bytes) if self.pipeline else [runs])
             job = ReadJob(chunks, remote.peer, auth.completion_notif(remote_rid, capability),
                           post=lambda r, notif: self.poster.post(remote, r, notif),
                           verify=lambda r: self._verify(r, digests),

@@ -28,12 +28,15 @@ from __future__ import annotations
 import importlib
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvstage.cache import HostBuffer
+
+if TYPE_CHECKING:
+    from kvstage.pd.tp_copy import HostPart
 
 CHECKSUM = "xxh3_64"
 INTEGRITY_MISSING = "checksums need the xxhash package: pip install 'kvstage[integrity]'"
@@ -51,7 +54,7 @@ def check_available() -> None:
     _xxhash()
 
 
-def _bytes(host: HostBuffer) -> torch.Tensor:
+def _bytes(host: HostBuffer | HostPart) -> torch.Tensor:
     """The storage as uint8: block-major ``[NB, row]``, mirror ``[T * P, NB, plane]``."""
     s = host.storage
     if host.block_major:
@@ -60,7 +63,7 @@ def _bytes(host: HostBuffer) -> torch.Tensor:
     return s.view(t * p, nb, -1).view(torch.uint8)
 
 
-def block_digests(host: HostBuffer, block_ids: Sequence[int]) -> list[int]:
+def block_digests(host: HostBuffer | HostPart, block_ids: Sequence[int]) -> list[int]:
     """xxh3-64 of each block's host bytes, in the order of ``block_ids`` (null -> 0)."""
     xx = _xxhash()
     raw = _bytes(host)
@@ -108,7 +111,7 @@ def mismatches(pairs: Sequence[tuple[int, int]], digests: dict[int, int] | None,
     return [(r, loc) for (r, loc), g in zip(pairs, got, strict=True) if digests.get(r) != g]
 
 
-def run_mismatches(host: HostBuffer, runs: np.ndarray,
+def run_mismatches(host: HostBuffer | HostPart, runs: np.ndarray,
                    digests: dict[int, int] | None) -> list[tuple[int, int]]:
     """``(remote id, local id)`` of every block of ``runs`` ([R, 3] remote start, local
     start, n) whose local host bytes do not hash to prefill's digest."""

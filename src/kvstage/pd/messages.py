@@ -75,6 +75,14 @@ class Meta(Message, tag="meta"):
     host_base: int
     host_nbytes: int
     lease_s: float
+    #: across TP sizes (`kvstage.pd.tp_parts`): this rank's TP size and rank, the decode TP
+    #: its host buffer was cut for, into ``num_slices`` slices of this signature ("" and 0:
+    #: equal sizes, whole pages)
+    tp_size: int = 0
+    tp_rank: int = 0
+    peer_tp_size: int = 0
+    num_slices: int = 1
+    parts: str = ""
 
 
 class PrefillRequest(Message, tag="prefill"):
@@ -109,6 +117,8 @@ class Acquire(Message, tag="acquire"):
 
     request_id: str
     capability: bytes = b""
+    #: the slice this decode reads (across TP sizes): the Lease's checksums are its
+    slice_index: int = 0
 
 
 class Lease(Message, tag="lease"):

@@ -36,12 +36,15 @@ import concurrent.futures as cf
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvstage.engine import CopyEngine, Direction
+
+if TYPE_CHECKING:
+    from kvstage.pd.tp_copy import PartCopy
 from kvstage.transport.base import TransferState, Transport
 
 MIN_CHUNK_BYTES = 4 << 20
@@ -90,7 +93,7 @@ def split_runs(runs: np.ndarray, block_bytes: int, *, min_chunk_bytes: int = MIN
 class Loader:
     """h2d of chunk runs: a CUDA copy stream + events, or one CPU worker thread."""
 
-    def __init__(self, engine: CopyEngine) -> None:
+    def __init__(self, engine: CopyEngine | PartCopy) -> None:
         self.engine = engine
         self.cuda = engine.is_cuda
         self._stream = torch.cuda.Stream(engine.cache.device) if self.cuda else None

@@ -41,16 +41,19 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvstage.blocks import BlockPool, GroupedBlockIds
 from kvstage.cache import HostBuffer, HostLayout, KVCache
 from kvstage.engine import CopyEngine, CopyStats, Direction
 from kvstage.errors import InvalidRequest, KVStageError, NotHeld, Unauthorized, code_of
-from kvstage.pd import auth, integrity, lease
+from kvstage.pd import auth, integrity, lease, prefill_serve
 from kvstage.pd import messages as m
 from kvstage.pd.prefill_state import PrefillCounters, SavedRequest
 from kvstage.pd.saves import SaveQueue
 from kvstage.pd.side_channel import DEFAULT_HOST, SideChannelServer
+from kvstage.pd.tp_copy import HostPart, PartCopy
+from kvstage.pd.tp_parts import TPSide
 from kvstage.transport.base import Transport
 
 DEFAULT_LEASE_S = 30.0
@@ -83,6 +86,8 @@ class PrefillWorker:
         insecure: bool = False,
         max_hold_s: float | None = None,
         verify_checksum: bool = False,
+        tp: TPSide | None = None,
+        readers: int = 1,
     ) -> None:
         if not (isinstance(lease_s, int | float) and 0 < lease_s < float("inf")):
             transport.close()
@@ -105,9 +110,18 @@ class PrefillWorker:
         self.producer = producer
         self.on_free = on_free
         self.transport = transport
+        # across TP sizes (`kvstage.pd.tp_copy`): the d2h cuts each page into the slices
+        # the decode ranks read, and a request is freed once ``readers`` ranks read it
+        self.tp = tp
+        self.readers = readers
         try:
             self.host = HostBuffer.for_device(self.layout, cache.device, host_layout)
-            self.engine = CopyEngine(cache, self.host)
+            self.engine: CopyEngine | PartCopy = (
+                CopyEngine(cache, self.host) if tp is None
+                else PartCopy(cache, self.host, tp.parts))
+            self._slices: list[HostBuffer | HostPart] = (
+                [self.host] if tp is None
+                else [HostPart(self.host, tp.parts, s) for s in range(tp.parts.num_parts)])
             self._saves = SaveQueue(self.engine)
             # registered once, at start-up: pinning and key exchange are far too slow
             # per request
@@ -157,7 +171,7 @@ class PrefillWorker:
                 "before hold(), or use a new id"
             )
         ids = GroupedBlockIds(block_ids, self.layout)  # validates before a byte moves
-        plan = self.engine.plan(ids)
+        plan: Any = self.engine.plan(ids)  # CopyPlan or PartPlan, for its own engine
         if req is None:
             req = self._requests[request_id] = SavedRequest([[] for _ in block_ids])
         # per-block digests (verify_checksum) of the bytes decode will read
@@ -178,10 +192,16 @@ class PrefillWorker:
         req.nbytes += stats.nbytes
         return stats
 
+    @property
+    def num_slices(self) -> int:
+        return len(self._slices)
+
     def _hash(self, req: SavedRequest, block_ids: list[int]) -> None:
-        if block_ids:
-            req.digests.update(zip(block_ids, integrity.block_digests(self.host, block_ids),
-                                   strict=True))
+        """Digests of each slice's bytes of ``block_ids`` (one slice at equal TP sizes)."""
+        for s, host in enumerate(self._slices):
+            if block_ids:
+                req.digests.update(((s, b), d) for b, d in zip(
+                    block_ids, integrity.block_digests(host, block_ids), strict=True))
 
     def _settle(self, request_id: str, req: SavedRequest) -> None:
         """Wait for the request's queued saves; hash what they wrote."""
@@ -212,16 +232,20 @@ class PrefillWorker:
         req.deadline = lease.deadline(now, lease_s or self.lease_s, req.hold_until)
         req.held = True  # last: a held request always has its deadline and capability
         self.counters.prefilled += 1
-        return m.PrefillDone(
+        done = m.PrefillDone(
             request_id=request_id, block_ids=[list(g) for g in req.block_ids],
             d2h_s=req.d2h_s, nbytes=req.nbytes, lease_s=self.lease_s,
             capability=req.capability, checksums=self._checksums(req),
         )
+        if self.readers == 0:  # no decode rank reads this one (a replica another serves)
+            self._free(request_id)
+            self.counters.completed += 1
+        return done
 
-    def _checksums(self, req: SavedRequest) -> list[list[int]]:
+    def _checksums(self, req: SavedRequest, slice_index: int = 0) -> list[list[int]]:
         if not self.verify_checksum:
             return []
-        return [[req.digests.get(b, 0) for b in g] for g in req.block_ids]
+        return [[req.digests.get((slice_index, b), 0) for b in g] for g in req.block_ids]
 
     def release(self, request_id: str) -> None:
         """Free a request's blocks now (held or only saved)."""
@@ -274,8 +298,10 @@ class PrefillWorker:
             rid, token = auth.parse_notif(msg[:1024])
             req = self._requests.get(rid)
             if req is not None and req.held and auth.same_capability(token, req.capability):
-                self._free(rid)
-                self.counters.completed += 1
+                req.readers.add(_peer)  # across TP sizes several decode ranks read it
+                if len(req.readers) >= self.readers:
+                    self._free(rid)
+                    self.counters.completed += 1
             elif req is not None and req.held:
                 self.counters.bad_capability += 1  # forged: the request stays held
             else:
@@ -292,77 +318,15 @@ class PrefillWorker:
             self.counters.expired += 1
         return expired
 
-    # -- side channel -------------------------------------------------------------------
+    # -- side channel ---------------------------------------------------------------------
     def _handle(self, msg: m.Message) -> m.Message:
-        if isinstance(msg, m.GetMeta):
-            return m.Meta(
-                engine_id=self.engine_id,
-                agent_name=self.transport.name,
-                agent_metadata=self.agent_metadata,
-                layout=m.layout_to_msg(self.layout),
-                host_layout=self.host.host_layout.value,
-                host_base=self.host.data_ptr,
-                host_nbytes=self.host.nbytes,
-                lease_s=self.lease_s,
-            )
-        if isinstance(msg, m.PrefillRequest):
-            return self.prefill(msg.request_id, msg.num_tokens, msg.seed)
-        if isinstance(msg, m.Acquire):
-            req = self._authorized(msg.request_id, msg.capability)
-            now = time.monotonic()
-            if lease.expired(req.deadline, now):  # at max_hold_s (or not swept yet): it ends now
-                self._free(msg.request_id)
-                self.counters.expired += 1
-                raise NotHeld(
-                    f"request {msg.request_id[:64]!r} reached its lease end (held at most "
-                    f"{self.max_hold_s:g} s)"
-                )
-            # like vLLM's heartbeats: a decode about to READ extends the lease, within
-            # the bound on the total hold
-            req.deadline = lease.deadline(now, self.lease_s, req.hold_until)
-            return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now,
-                           engine_id=self.engine_id,
-                           checksums=self._checksums(req))
-        if isinstance(msg, m.Release):
-            self._authorized(msg.request_id, msg.capability)
-            self.release(msg.request_id)
-            return m.Ok()
-        if isinstance(msg, m.GetStats):
-            return self.stats()
-        raise InvalidRequest(f"prefill worker does not handle {type(msg).__name__}")
+        return prefill_serve.handle(self, msg)
 
     def _authorized(self, request_id: str, capability: bytes) -> SavedRequest:
-        """The held request, if ``capability`` is the one issued for it."""
-        req = self._requests.get(request_id)
-        if req is None or not req.held:
-            raise NotHeld(
-                f"request {request_id[:64]!r} is not held here (never prefilled, "
-                "already read, released, or its lease expired)"
-            )
-        if not auth.same_capability(capability, req.capability):
-            self.counters.bad_capability += 1
-            raise Unauthorized(
-                f"wrong or missing capability for request {request_id[:64]!r}: pass the "
-                "one prefill issued with its block ids (PrefillDone.capability)"
-            )
-        return req
+        return prefill_serve.authorized(self, request_id, capability)
 
     def stats(self) -> m.Stats:
-        c = self.counters
-        return m.Stats(
-            held_requests=self.num_held,
-            held_blocks=self.held_blocks,
-            free_blocks=self.pool.num_free if self.pool is not None else -1,
-            prefilled=c.prefilled,
-            completed=c.completed,
-            released=c.released,
-            expired=c.expired,
-            unknown_notifs=list(c.unknown_notifs),
-            open_handles=self.transport.num_open_handles,
-            num_unknown_notifs=c.num_unknown_notifs,
-            unauthorized=c.unauthorized,
-            bad_capability=c.bad_capability,
-        )
+        return prefill_serve.stats(self)
 
     def serve_once(self, timeout_s: float = 0.01) -> None:
         if self._requests and self.transport.progress_by_caller:  # our calls move the bytes

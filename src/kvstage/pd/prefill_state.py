@@ -20,7 +20,9 @@ class SavedRequest:
     nbytes: int = 0
     capability: bytes = b""  # issued by hold()
     hold_until: float = 0.0  # no renewal past this (held at + max_hold_s)
-    digests: dict[int, int] = field(default_factory=dict)  # verify_checksum: id -> xxh3
+    #: verify_checksum: (slice, id) -> xxh3 (slice 0 only at equal TP sizes)
+    digests: dict[tuple[int, int], int] = field(default_factory=dict)
+    readers: set[str] = field(default_factory=set)  # decode agents that notified
     unhashed: set[int] = field(default_factory=set)  # saved with wait=False, not hashed yet
 
 

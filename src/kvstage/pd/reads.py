@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,6 +23,9 @@ from kvstage.cache import HostBuffer, HostLayout
 from kvstage.errors import InvalidRequest, LayoutMismatch
 from kvstage.layout import KVLayout
 from kvstage.plan import find_runs
+
+if TYPE_CHECKING:
+    from kvstage.pd.tp_copy import HostPart
 
 DEFAULT_READ_TIMEOUT_S = 10.0
 # RequestResult.code of failures that are not exceptions (else `errors.code_of`)
@@ -130,7 +133,8 @@ def blocks(runs: np.ndarray, col: int) -> np.ndarray:
 class Poster:
     """Post READs of ``[R, 3]`` runs (src remote block, dst local block, n) for the decode."""
 
-    def __init__(self, transport: Any, host: HostBuffer, prepared: bool = False) -> None:
+    def __init__(self, transport: Any, host: HostBuffer | HostPart,
+                 prepared: bool = False) -> None:
         self.transport, self.host = transport, host
         self.prepared = prepared and host.block_major and hasattr(transport, "prepare")
         self._local: int | None = None

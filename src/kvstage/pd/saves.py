@@ -33,13 +33,15 @@ import concurrent.futures as cf
 import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from kvstage.engine import CopyEngine, Direction
-from kvstage.plan import CopyPlan
+
+if TYPE_CHECKING:
+    from kvstage.pd.tp_copy import PartCopy
 
 __all__ = ["SaveQueue"]
 
@@ -47,7 +49,7 @@ __all__ = ["SaveQueue"]
 class SaveQueue:
     """Asynchronous d2h of planned saves over one `CopyEngine` (see the module doc)."""
 
-    def __init__(self, engine: CopyEngine) -> None:
+    def __init__(self, engine: CopyEngine | PartCopy) -> None:
         self.engine = engine
         self.cuda = engine.is_cuda
         self._stream = torch.cuda.Stream(engine.cache.device) if self.cuda else None
@@ -60,8 +62,9 @@ class SaveQueue:
         copy(True)
         return time.perf_counter() - start
 
-    def submit(self, request_id: str, plan: CopyPlan) -> None:
-        """Queue the d2h of ``plan`` (validated ids) for ``request_id``."""
+    def submit(self, request_id: str, plan: Any) -> None:
+        """Queue the d2h of ``plan`` (validated ids: the engine's own plan, a `CopyPlan`
+        or a `kvstage.pd.tp_copy.PartPlan`) for ``request_id``."""
         if plan.num_blocks:
             self._launch(request_id,
                          lambda sync: self.engine.run(plan, Direction.D2H, sync=sync))

@@ -272,23 +272,20 @@ def describe(plan: TPPlan) -> str:
 
 
 def refuse_across_sizes(prefill_tp: int, decode_tp: int, shards: Sequence[Shards], *,
-                        model: str = "", num_state_groups: int = 0) -> str:
-    """The one line a decode at ``decode_tp`` gives for a request whose prefill ran at
-    another ``prefill_tp``: kvstage's READ moves whole pages between equal ranks only, so
-    every such request is refused, saying whether the pair could ever be exact (`plan_tp`'s
-    refusal: both sizes, each group's per-rank counts, the model) or maps exactly but is not
-    read across sizes (the mapping it would use), or holds state groups (Mamba, gated delta
-    net: ``num_state_groups``), whose state is not split across sizes."""
+                        model: str = "", expected: int | None = None) -> str:
+    """The one line a decode at ``decode_tp``, started to read prefills at ``expected`` TP
+    (its host buffer is cut for them: ``kvstage_peer_tp_size``), gives for a request whose
+    prefill ran at ``prefill_tp``: whether that pair could be exact (the mapping it would
+    use, or `plan_tp`'s refusal: both sizes, each group's per-rank counts, the model) and
+    the settings that serve it."""
     of_model = f" for model {model!r}" if model else ""
-    fix = "serve prefill and decode at the same TP size"
-    if num_state_groups:
-        return (f"prefill TP {prefill_tp} to decode TP {decode_tp}{of_model}: the model has "
-                f"{num_state_groups} state group(s) (Mamba / linear attention), whose state "
-                f"kvstage does not split across TP sizes; {fix}")
+    expected = decode_tp if expected is None else expected
     try:
         plan = plan_tp(prefill_tp, decode_tp, shards, model=model)
     except LayoutMismatch as exc:
         return str(exc)
-    return (f"prefill TP {prefill_tp} to decode TP {decode_tp}{of_model}: an exact mapping "
-            f"exists ({describe(plan)}; per rank: {_per_rank(prefill_tp, decode_tp, shards)}) "
-            f"but kvstage reads between ranks of equal TP sizes only; {fix}")
+    return (f"prefill TP {prefill_tp} to decode TP {decode_tp}{of_model}: this decode reads "
+            f"prefills at TP {expected} (kvstage_peer_tp_size); the pair maps exactly "
+            f"({describe(plan)}; per rank: {_per_rank(prefill_tp, decode_tp, shards)}): start "
+            f"the decode with kvstage_peer_tp_size={prefill_tp} and the prefill with "
+            f"kvstage_peer_tp_size={decode_tp}")

@@ -231,10 +231,15 @@ class PDCluster:
         for i in range(n):
             role = "prefill" if i < self.num_prefill else "decode"
             index = i if role == "prefill" else i - self.num_prefill
+            extra = dict(self.extra_kv_config or {})
+            if self.connector == "kvstage" and self.prefill_tp != self.decode_tp:
+                # each side cuts its pages for the other's TP size (kvstage.pd.tp_map)
+                extra["kvstage_peer_tp_size"] = (self.decode_tp if role == "prefill"
+                                                 else self.prefill_tp)
             kv = connector_config(self.connector,
                                   "kv_producer" if role == "prefill" else "kv_consumer",
                                   device=self.device, policy=self.kv_load_failure_policy,
-                                  extra=self.extra_kv_config)
+                                  extra=extra or None)
             inst = api_server_instance(
                 f"{role}{index}", role, self.model, port=http[i], log_dir=log_dir,
                 engine_args=self.engine_args, kv_config=kv, device=self.device,

