@@ -89,9 +89,40 @@ def test_role_prefill_at_tp2_takes_a_port_per_rank(
         assert kv["kv_role"] == "kv_producer"
 
 
+def test_cluster_across_tp_sizes_tells_each_side_the_others(tmp_path: Path) -> None:
+    """P TP 2 / D TP 1: the prefills cut their pages for decode TP 1, the decodes read
+    prefills at TP 2 (kvstage_peer_tp_size), the user's extra config kept."""
+    c = PDCluster(model="/m", num_prefill=1, num_decode=2, prefill_tp=2, decode_tp=1,
+                  log_dir=tmp_path, device="cpu", extra_kv_config={"kvstage_log_reads": True})
+    peers = []
+    for inst in c.instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        extra = kv["kv_connector_extra_config"]
+        assert extra["kvstage_log_reads"] is True
+        peers.append((kv["kv_role"], extra["kvstage_peer_tp_size"]))
+    assert peers == [("kv_producer", 1), ("kv_consumer", 2), ("kv_consumer", 2)]
+    same = PDCluster(model="/m", prefill_tp=2, decode_tp=2, log_dir=tmp_path, device="cpu")
+    for inst in same.instances:
+        kv = json.loads(inst.argv[inst.argv.index("--kv-transfer-config") + 1])
+        assert "kvstage_peer_tp_size" not in kv.get("kv_connector_extra_config", {})
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_role_across_tp_sizes_names_the_other_side(
+        model_dir: Path, capsys: pytest.CaptureFixture[str], role: str) -> None:
+    rc, out, err = _dry(capsys, "--model", str(model_dir), "--role", role, "--prefill-tp", "2",
+                        "--decode-tp", "1", "--device", "cpu", "--port", "8100")
+    assert rc == 0, err
+    line = next(x for x in out.splitlines() if x.strip().startswith("$ "))
+    kv = json.loads(line.split("--kv-transfer-config '", 1)[1].split("'")[0])
+    assert kv["kv_connector_extra_config"]["kvstage_peer_tp_size"] == (
+        1 if role == "prefill" else 2)
+
+
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--prefill-tp", "2", "--decode-tp", "1"],
-     "--prefill-tp 2 and --decode-tp 1 differ: kvstage's connector moves KV between equal"),
+    (["--prefill-tp", "2", "--decode-tp", "1", "--connector", "nixl"],
+     "--prefill-tp 2 and --decode-tp 1 differ: serve-pd maps different sizes with "
+     "--connector kvstage only"),
     (["--prefill-tp", "0"], "--prefill-tp must be > 0 and <= 64, got 0"),
     (["--decode-tp", "x"], "--decode-tp must be an integer, got 'x'"),
 ])

@@ -8,7 +8,8 @@ Asserted exactly, for P -> D in (1 -> 2, 2 -> 1):
   heads, conv rows (x, B, C) and SSM heads, at its local ids; every other byte of its pool
   is untouched (padding included);
 - copy ops: the d2h is one ``copy_`` per run, part and segment (attention 1 segment per
-  part, Mamba2 DS 4 per slice, 1 for a whole page), the h2d the same per region; READ descriptors: one per run per read.
+  part, Mamba2 DS 4 per slice, 1 for a whole page), the h2d the same per region; READ
+  descriptors: one per run per read.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from kvstage.engine import Direction
 from kvstage.errors import LayoutMismatch
 from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.integrations.vllm.tp import decode_side, prefill_side
-from kvstage.pd.tp_copy import HostPart, PartCopy
 from kvstage.pd.reads import pair_runs
+from kvstage.pd.tp_copy import HostPart, PartCopy
 
 NB = 8
 H, N, C = 2, 8, 16  # KV heads, tokens per block, 2 x head size (fp32)

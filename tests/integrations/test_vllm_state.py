@@ -24,7 +24,6 @@ from kvstage.cache import HostBuffer
 from kvstage.engine import CopyEngine, Direction
 from kvstage.integrations.vllm.copies import (
     kvstage_groups,
-    tp_shards,
     unsupported,
     wrap_vllm_caches,
 )
@@ -145,20 +144,15 @@ def test_mamba_layout_not_dense_refused() -> None:
         wrap_vllm_caches(bad, groups, NUM_BLOCKS // 2, "tiny-granite")  # ... not its layout
 
 
-@dataclass(frozen=True)
-class MLAAttentionSpec(FullAttentionSpec):
-    pass
+def test_group_shards_from_a_ranks_specs() -> None:
+    """A rank's specs count its heads and state units: the global count is that times the
+    TP size, or the model's total where one head per rank is a replica."""
+    from kvstage.integrations.vllm.tp import group_shards
+    from kvstage.pd.tp_map import AttentionShards, StateShards
 
-
-def test_tp_shards_from_vllm_specs() -> None:
-    """vLLM's specs count this rank's heads: the global count is that times the TP size,
-    or the model's total where one head per rank is a replica; state groups are counted."""
-    from kvstage.pd.tp_map import AttentionShards, ReplicatedShards
-
-    two = FullAttentionSpec(block_size=8, num_kv_heads=2)
-    one = FullAttentionSpec(block_size=8, num_kv_heads=1)
-    assert tp_shards([two, MambaSpec(block_size=512)], 2, 4) == (
-        [AttentionShards(num_kv_heads=4)], 1)
-    assert tp_shards([one], 4, 1) == ([AttentionShards(num_kv_heads=1)], 0)  # replicas
-    assert tp_shards([one], 2, 2) == ([AttentionShards(num_kv_heads=2)], 0)  # split
-    assert tp_shards([MLAAttentionSpec(block_size=8)], 2, 1) == ([ReplicatedShards()], 0)
+    cache = wrap_vllm_caches(vllm_like_caches(), groups_of(), NUM_BLOCKS, "tiny-granite")
+    # the Mamba2 state (conv (40, 3), ssm (2, 4, 4)): x 2 heads of 4 rows, B and C 4 groups
+    # of 4 rows each (40 = 8 + 2 x 16), 2 SSM heads; attention 1 KV head per rank
+    state = StateShards(fields=(("x", 4), ("B", 8), ("C", 8), ("ssm_heads", 4)))
+    assert group_shards(cache.layout, 2, 4) == [state, AttentionShards(num_kv_heads=2)]
+    assert group_shards(cache.layout, 2, 1)[1] == AttentionShards(num_kv_heads=1)  # replicas

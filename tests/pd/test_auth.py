@@ -23,6 +23,7 @@ from kvstage.errors import InvalidRequest, NotHeld, PeerError, Unauthorized
 from kvstage.pd import auth
 from kvstage.pd import messages as m
 from kvstage.pd import prefill as prefill_module
+from kvstage.pd import prefill_serve as prefill_serve_module
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill_state import MAX_UNKNOWN_NOTIFS
 from kvstage.pd.side_channel import SideChannelClient, send_raw
@@ -303,6 +304,7 @@ def test_lease_renewal_is_bounded_by_max_hold(monkeypatch: pytest.MonkeyPatch) -
     clock = [100.0]
     fake = types.SimpleNamespace(monotonic=lambda: clock[0], perf_counter=time.perf_counter)
     monkeypatch.setattr(prefill_module, "time", fake)
+    monkeypatch.setattr(prefill_serve_module, "time", fake)  # the Acquire's clock
     with make_prefill(LAYOUT, transport="loopback", lease_s=10.0, max_hold_s=25.0) as worker:
         done = worker.prefill("r", 64, 1)
         acquire = m.Acquire(request_id="r", capability=done.capability)

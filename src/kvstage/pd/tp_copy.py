@@ -36,7 +36,7 @@ from kvstage.errors import LayoutMismatch
 from kvstage.layout import KVLayout
 from kvstage.pd.tp_parts import PageParts
 
-__all__ = ["HostPart", "PartCopy", "PartPlan"]
+__all__ = ["HostPart", "PartCopy", "PartPlan", "host_for"]
 
 
 class HostPart:
@@ -221,3 +221,9 @@ class PartCopy:
     def _sync(self) -> None:
         if self.is_cuda:
             torch.cuda.current_stream(self.cache.device).synchronize()
+
+
+def host_for(cache: KVCache) -> HostBuffer:
+    """The one host buffer the R decode regions of a rank share (the device pool's bytes,
+    pinned on CUDA): each region's `kvstage.pd.decode.DecodeWorker` registers its part."""
+    return HostBuffer.for_device(cache.layout, cache.device)

@@ -71,7 +71,7 @@ KEYS: tuple[tuple[str, str, str, str, str], ...] = (
     ("kvstage_time_hooks", "bool", "false", "true/false",
      "time each vLLM hook the connector serves (vllm:kvstage_hook_seconds_total; a "
      "diagnostic: a wrapper per hook call)"),
-    ("kvstage_peer_tp_size", "int", "this instance's TP size", ">= 1",
+    ("kvstage_peer_tp_size", "int", "this instance's TP size", "1..1024",
      "the other side's TP size (a prefill's decodes, a decode's prefills): another than "
      "this instance's cuts each page into the head slices the pair reads"),
     ("kv_lease_duration", "number (vLLM's)", str(LEASE_DEFAULT_S), "> 0, finite",

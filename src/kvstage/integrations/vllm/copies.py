@@ -17,8 +17,6 @@ Primitives (torch only: importing this module never imports vLLM):
   buffer of the same bytes as the device pool.
 - `unsupported(spec, model)` and `saved_by_chunk(spec)`: which vLLM specs kvstage copies,
   and which are saved chunk by chunk.
-- `tp_shards(specs, tp_size, total_kv_heads)`: how each group's page shards across
-  tensor-parallel ranks (`kvstage.pd.tp_map`), and how many groups are state groups.
 
 Ownership: vLLM owns the device tensors; the cache keeps views of them, no copy.
 """
@@ -42,7 +40,6 @@ from kvstage.layout import (
     dtype_name,
     storage_dtype,
 )
-from kvstage.pd.tp_map import AttentionShards, ReplicatedShards, Shards
 
 
 def _page_bytes(t: torch.Tensor, num_blocks: int) -> int:
@@ -155,29 +152,6 @@ def _spec(vllm_spec: Any, page_bytes: int, dtype: torch.dtype) -> KVSpec:
                                  dtype=name, sliding_window=int(window))
     return FullAttentionSpec(block_size=block_size, num_kv_heads=heads, head_size=head,
                              dtype=name)
-
-
-def tp_shards(specs: Sequence[Any], tp_size: int, total_kv_heads: int
-              ) -> tuple[list[Shards], int]:
-    """Each attention group's shards across TP ranks (vLLM's spec counts this rank's heads:
-    the global count is that times ``tp_size``, or ``total_kv_heads`` where one head per
-    rank is a replica) and the number of state groups (their pages are not split across
-    sizes, `tp_map.refuse_across_sizes`)."""
-    shards: list[Shards] = []
-    states = 0
-    for spec in specs:
-        kind = _ATTENTION_SPECS.get(type(spec).__name__)
-        if kind == "mla":
-            shards.append(ReplicatedShards())
-        elif kind is not None:
-            per_rank = int(spec.num_kv_heads)
-            heads = per_rank * tp_size
-            if per_rank == 1 and total_kv_heads < heads:
-                heads = total_kv_heads
-            shards.append(AttentionShards(num_kv_heads=heads))
-        else:
-            states += 1
-    return shards, states
 
 
 def kvstage_groups(

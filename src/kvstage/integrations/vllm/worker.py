@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from kvstage.cache import HostBuffer, KVCache
+from kvstage.cache import KVCache
 from kvstage.integrations.vllm import tp as tp_sides
 from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.integrations.vllm.loads import Loads
@@ -51,6 +51,7 @@ from kvstage.integrations.vllm.metadata import StepMeta
 from kvstage.integrations.vllm.stats import KVStageStats
 from kvstage.pd.decode import DecodeWorker
 from kvstage.pd.prefill import PrefillWorker
+from kvstage.pd.tp_copy import host_for
 from kvstage.pd.tp_map import refuse_across_sizes
 
 IDLE_WAIT_S = 0.5  # the serving thread's wait with nothing held (a message wakes it)
@@ -151,7 +152,7 @@ class WorkerSide:
             if across:
                 side, reads, num_slices = tp_sides.decode_side(kv_caches, groups,
                                                                cache.layout, **sides)
-                whole = HostBuffer.for_device(cache.layout, cache.device)
+                whole = host_for(cache)  # one buffer, R regions
                 for r in reads:
                     roles.append((self._decode_role(cache, ucx, f"{r.region_index}", tp=side,
                                                     region=r.region_index,
