@@ -49,6 +49,7 @@ class CopyStats:
     runs: int
     chunks: int
     nbytes: int
+    ops: int = 0  # copy calls (direct: one per run per pair; staged: kernels and DMAs)
 
 
 def _staged_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -165,7 +166,14 @@ class CopyEngine:
         num_runs = 0 if not num_blocks else (
             len(plan.run_list) if self.mode == "direct" else plan.num_runs)
         chunks = plan.num_chunks if self.mode == "staged" else 0
-        return CopyStats(direction, num_blocks, num_runs, chunks, num_blocks * self._block_bytes)
+        ops = (num_runs * len(self._pairs) if self.mode == "direct"
+               else chunks * len(self._pairs) + len(plan.pieces))
+        return CopyStats(direction, num_blocks, num_runs, chunks, num_blocks * self._block_bytes,
+                         ops)
+
+    def ops_for_runs(self, runs: np.ndarray) -> int:
+        """Copy calls `copy_runs` makes for ``[R, 3]`` runs (one per run per pair)."""
+        return int(runs.shape[0]) * len(self._pairs)
 
     def copy_runs(
         self, runs: np.ndarray | list[tuple[int, int, int]], direction: Direction, *,

@@ -241,6 +241,7 @@ class DecodeWorker:
             result.num_descriptors = sum(
                 int(self.host.descriptors(c[:, 1], c[:, 2]).shape[0]) for c in chunks)
             result.num_chunks = len(chunks)
+            result.copy_ops = sum(self.engine.ops_for_runs(c) for c in chunks)
             started = time.monotonic()
             job.post_window()
         except Exception as exc:  # every failure ends as a failed request, never a crash

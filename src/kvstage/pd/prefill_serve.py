@@ -10,17 +10,45 @@ Called on the worker's serving thread only (the worker's thread rules).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from kvstage.blocks import BlockPool
 from kvstage.errors import InvalidRequest, NotHeld, Unauthorized
+from kvstage.layout import KVLayout
 from kvstage.pd import auth, lease
 from kvstage.pd import messages as m
-from kvstage.pd.prefill_state import SavedRequest
+from kvstage.pd.prefill_state import PrefillCounters, SavedRequest
+from kvstage.pd.tp_parts import TPSide
+from kvstage.transport.base import Transport
 
-if TYPE_CHECKING:
-    from kvstage.pd.prefill import PrefillWorker
+__all__ = ["PrefillWorker", "authorized", "handle", "stats"]
 
-__all__ = ["authorized", "handle", "stats"]
+
+class PrefillWorker(Protocol):
+    """What the answers read of `kvstage.pd.prefill.PrefillWorker` (no import: no cycle)."""
+
+    engine_id: str
+    transport: Transport
+    agent_metadata: bytes
+    layout: KVLayout
+    host: Any  # HostBuffer
+    lease_s: float
+    max_hold_s: float
+    tp: TPSide | None
+    pool: BlockPool | None
+    counters: PrefillCounters
+    _requests: dict[str, SavedRequest]
+
+    @property
+    def num_slices(self) -> int: ...
+    @property
+    def num_held(self) -> int: ...
+    @property
+    def held_blocks(self) -> int: ...
+    def prefill(self, request_id: str, num_tokens: int, seed: int) -> m.PrefillDone: ...
+    def release(self, request_id: str) -> None: ...
+    def _free(self, request_id: str) -> bool: ...
+    def _checksums(self, req: SavedRequest, slice_index: int = 0) -> list[list[int]]: ...
 
 
 def handle(w: PrefillWorker, msg: m.Message) -> m.Message:

@@ -64,6 +64,7 @@ class RequestResult:
     h2d_s: float = 0.0  # copy time of the loads (overlapping the READ when pipelined)
     decode_s: float = 0.0  # READ posted -> last load done: what the pipeline shortens
     num_chunks: int = 0
+    copy_ops: int = 0  # the h2d's copy calls
 
     @property
     def ok(self) -> bool:

@@ -152,13 +152,21 @@ class PartCopy:
 
     def stats(self, plan: PartPlan, direction: Direction) -> CopyStats:
         return CopyStats(direction, plan.num_blocks, len(plan.runs), 0,
-                         plan.num_blocks * self._block_bytes)
+                         plan.num_blocks * self._block_bytes, self.ops(plan, direction))
 
     def ops(self, plan: PartPlan, direction: Direction) -> int:
         """copy_ calls ``run`` makes for ``plan``."""
+        return self._ops([g for g, _, _ in plan.runs])
+
+    def ops_for_runs(self, runs: np.ndarray) -> int:
+        """copy_ calls `copy_runs` makes for ``[R, 3]`` runs (split where the group of the
+        device blocks changes)."""
+        return self._ops([g for g, _, _, _ in self._pieces(runs.tolist())])
+
+    def _ops(self, groups: list[int]) -> int:
         parts = range(self.parts.num_parts) if self.region is None else [self.region]
         return len(self._dev) * sum(
-            len(self.parts.groups[g].segments[p]) for g, _, _ in plan.runs for p in parts)
+            len(self.parts.groups[g].segments[p]) for g in groups for p in parts)
 
     def run(self, plan: PartPlan, direction: Direction, *, sync: bool = True) -> CopyStats:
         self._copy([(g, s, s, n) for g, s, n in plan.runs], direction)
@@ -188,6 +196,11 @@ class PartCopy:
 
     def _direct(self, runs: list[tuple[int, int, int]] | list[list[int]],
                 direction: Direction) -> None:
+        self._copy(self._pieces(runs), direction)
+
+    def _pieces(self, runs: list[tuple[int, int, int]] | list[list[int]]
+                ) -> list[tuple[int, int, int, int]]:
+        """(group, host row, device block, n): ``runs`` cut where the group changes."""
         pieces = []
         for s, d, n in runs:
             owners = self._owner[d:d + n]
@@ -195,7 +208,7 @@ class PartCopy:
             for a, b in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [n])),
                             strict=True):
                 pieces.append((int(owners[a]), s + int(a), d + int(a), int(b - a)))
-        self._copy(pieces, direction)
+        return pieces
 
     # -- the copies --------------------------------------------------------------------
     def _copy(self, pieces: list[tuple[int, int, int, int]], direction: Direction) -> None:

@@ -263,6 +263,7 @@ class Loads:
         into ``done``."""
         nbytes = sum(r.nbytes for r in results)
         descs = sum(r.num_descriptors for r in results)
+        ops = sum(r.copy_ops for r in results)
         read_s = max((r.read_s for r in results), default=0.0)
         with self.mutex:
             self.done.add(rid)
@@ -273,5 +274,6 @@ class Loads:
                            h2d_seconds=max(r.decode_s for r in results),
                            read_bytes=nbytes, read_seconds=read_s, read_descriptors=descs)
         if self.log_reads:
-            self.log.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d", LOG_PREFIX,
-                          nbytes, round(read_s * 1e6), 0, descs)
+            self.log.info("%s bytes=%d xfer_us=%d nixl_post_us=%d nixl_descs=%d h2d_ops=%d "
+                          "regions=%d", LOG_PREFIX, nbytes, round(read_s * 1e6), 0, descs, ops,
+                          len(results))

@@ -57,6 +57,7 @@ from kvstage.pd.tp_map import refuse_across_sizes
 IDLE_WAIT_S = 0.5  # the serving thread's wait with nothing held (a message wakes it)
 HELD_WAIT_S = 0.002  # ... while requests are held (NIXL notifications are polled)
 LEASE_ENDED = "lease ended, blocks freed for request"  # logged once per request and rank
+SAVE_PREFIX = "kvstage SAVE"  # the prefill's line per request with kvstage_log_reads
 
 
 class _Serving(threading.Thread):
@@ -109,7 +110,7 @@ class WorkerSide:
         self.loads: Loads | None = None
         self.stats = KVStageStats()
         self.log_reads = log_reads
-        self.saved: dict[str, list[float]] = {}  # prefill: rid -> [blocks, seconds] so far
+        self.saved: dict[str, list[float]] = {}  # prefill: rid -> [blocks, seconds, ops]
         self.quiet_steps = 0  # steps with nothing to do, since the last hand-out
         self.block_bytes = 0
 
@@ -206,24 +207,28 @@ class WorkerSide:
             for rid, ids in meta.saves.items():
                 start = time.perf_counter()
                 try:
-                    role.save(rid, ids, wait=not queued)
+                    copied = role.save(rid, ids, wait=not queued)
                 except Exception:
                     self.stats.add(copy_failures=1)
                     raise
                 step[rid] = (sum(len(g) for g in ids), time.perf_counter() - start)
-                total = self.saved.setdefault(rid, [0, 0.0])
+                total = self.saved.setdefault(rid, [0, 0.0, 0])
                 total[0] += step[rid][0]
                 total[1] += step[rid][1]
+                total[2] += copied.ops
             for rid, capability in meta.holds.items():
                 if rid not in meta.saves and not role.has_request(rid):
                     role.save(rid, [[] for _ in role.layout.groups])  # nothing to copy
                 self.held.add(rid)  # first: a rank no decode reads frees it in hold
                 role.hold(rid, capability=capability)
-                blocks, seconds = self.saved.pop(rid, [0, 0.0])
+                blocks, seconds, ops = self.saved.pop(rid, [0, 0.0, 0])
                 last_blocks, last_s = step.get(rid, (0, 0.0))
                 self.stats.add(d2h_blocks=int(blocks), d2h_bytes=int(blocks) * self.block_bytes,
                                d2h_seconds=seconds, d2h_last_step_blocks=last_blocks,
                                d2h_wait_seconds=last_s)
+                if self.log_reads:
+                    self.log.info("%s request=%s blocks=%d bytes=%d d2h_ops=%d", SAVE_PREFIX,
+                                  rid, int(blocks), int(blocks) * self.block_bytes, int(ops))
             for rid in meta.releases:
                 self.saved.pop(rid, None)
                 self.held.discard(rid)
