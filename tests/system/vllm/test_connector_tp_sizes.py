@@ -16,6 +16,9 @@ What each case asserts, exactly:
   ids equal the TP 1 single engine's, with every prompt in flight at once and then one
   alone; afterwards the prefill holds no request (every rank let its blocks go: at P TP2
   -> D TP1 with 1 KV head, rank 1 is read by no decode rank).
+- A model with no exact mapping refuses to start in one line naming both sizes, the model
+  and why: Qwen3-Next with 1 KV head (replicated at TP 2 beside a split GDN state: its
+  groups shard differently) and Nemotron-H with 1 SSM group (copied to each TP 2 rank).
 - A decode not started for the prefill's TP size refuses each request in one line that
   names both sizes, the mapping that would serve it and the settings; under ``recompute``
   the request gets the single engine's tokens, and the prefill is released.
@@ -33,10 +36,16 @@ pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs n
 
 import dataclasses  # noqa: E402
 
-from kvstage.testing.tiny_hybrids import TP2_QWEN3_NEXT, build_tiny_qwen3_next  # noqa: E402
+from kvstage.testing.tiny_hybrids import (  # noqa: E402
+    TP2_NEMOTRON_H,
+    TP2_QWEN3_NEXT,
+    build_tiny_nemotron_h,
+    build_tiny_qwen3_next,
+)
 from kvstage.testing.tiny_llama import build_tiny_llama  # noqa: E402
 from kvstage.testing.vllm_engines import (  # noqa: E402
     Completion,
+    EngineError,
     EngineSpec,
     VLLMEngine,
     free_ports,
@@ -56,12 +65,19 @@ from tests.system.vllm.test_connector_tp import (  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 MODELS.setdefault("llama-1kv", (lambda p: build_tiny_llama(p, num_kv_heads=1), 32, {}))
-MODELS.setdefault("qwen3-next", (lambda p: build_tiny_qwen3_next(p, **TP2_QWEN3_NEXT), None,
-                                 DS))
+#: Qwen3-Next with 2 KV heads: its attention splits at TP 2 as its GDN state does (with 1 KV
+#: head, replicated at TP 2, its groups would shard differently: refused at start, below)
+MODELS.setdefault("qwen3-next", (
+    lambda p: build_tiny_qwen3_next(p, **TP2_QWEN3_NEXT, num_kv_heads=2), None, DS))
+MODELS.setdefault("qwen3-next-1kv", (
+    lambda p: build_tiny_qwen3_next(p, **TP2_QWEN3_NEXT), None, DS))
+#: Nemotron-H with 1 SSM group: vLLM gives each TP 2 rank a copy of it
+MODELS.setdefault("nemotron-h-1group", (
+    lambda p: build_tiny_nemotron_h(p, **{**TP2_NEMOTRON_H, "n_groups": 1}), None, DS))
 #: the tiny Qwen3-Next in bf16 is not deterministic on its own at 300 tokens (two TP 1 runs
 #: of one engine differ from the 5th token): its prompts stop at 150
 PROMPTS_OF = {"qwen3-next": PROMPTS[:4]}
-DTYPE_OF = {"qwen3-next": "bfloat16"}
+DTYPE_OF = {"qwen3-next": "bfloat16", "qwen3-next-1kv": "bfloat16"}
 _EXPECTED: dict[str, list[Completion]] = {}
 
 
@@ -151,3 +167,23 @@ def test_decode_not_started_for_the_prefills_size_refuses_per_request(tmp: Path)
             "prefills at TP 1 (kvstage_peer_tp_size); the pair maps exactly (TP 2 -> 1") in log
     assert ("start the decode with kvstage_peer_tp_size=2 and the prefill with "
             "kvstage_peer_tp_size=1") in log
+
+
+@pytest.mark.parametrize(("name", "why"), [
+    ("qwen3-next-1kv", "groups shard differently (one's decode page would be a slice of a "
+                       "prefill page, another's a whole page or several); per rank: "),
+    ("nemotron-h-1group", "group 0: state field 'B' of 1 units does not split over TP 2"),
+])
+def test_models_that_cannot_map_are_refused_at_start(tmp: Path, name: str, why: str) -> None:
+    """No exact mapping, so the prefill started for decode TP 2 refuses to start, in one
+    line naming both sizes, the model and why: Qwen3-Next with 1 KV head (replicated at TP 2
+    beside a split GDN state: no one slice per page serves both groups); Nemotron-H with 1
+    SSM group (vLLM copies it to each TP 2 rank: kvstage splits state, never replicates)."""
+    port, = free_ports(1, width=1)
+    engine = VLLMEngine(spec(tmp, name, f"{name}-refused.log", 1,
+                             kv("kv_producer", kvstage_peer_tp_size=2), port))
+    with engine, pytest.raises(EngineError):
+        engine.start()
+    log = engine.log_tail(200_000)
+    line = next(x for x in log.splitlines() if "LayoutMismatch: cannot map" in x)
+    assert f"cannot map prefill TP 1 to decode TP 2 for model '{tmp / name}': {why}" in line
