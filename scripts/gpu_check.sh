@@ -12,7 +12,11 @@
 #      (needs nixl-cu12, installed best effort) writes pipeline.json/png: sequential vs
 #      pipelined decode time, and the d2h hidden behind a matmul stand-in at prefill;
 #      the saves alone (`python -m bench.chunked --device cuda`) run without NIXL
-#   5. a short table of every timing, printed last
+#   5. across TP sizes: the head-split d2h into 2 slices and one region's h2d of a
+#      Llama-3.1-8B-sized rank (`python -m bench.tp_copy --device cuda`): bytes of every
+#      region checked against the device, copy calls counted, GB/s beside whole-page
+#      copies and one pinned memcpy of the same bytes (its gpu test runs in step 2)
+#   6. a short table of every timing, printed last
 # Every step runs under `timeout`; a failed step is recorded and the next still runs.
 #
 # Usage: scripts/gpu_check.sh [OUT_DIR]        (default: $OUT, else ./gpu-check-out)
@@ -168,6 +172,7 @@ else step pipeline 120 "$PY" -m bench.transfer --pipeline --device cuda \
     --preset llama-3.1-8b --num-blocks 160 --sizes-mib 8 32 128 --iters 5 --markdown \
     --json "$OUT_DIR/pipeline.json" --plot "$OUT_DIR/pipeline.png"
 fi
+step tp-copy 60 "$PY" -m bench.tp_copy --device cuda --iters 50 --json "$OUT_DIR/tp_copy.json"
 step summary 20 bash -c "$(declare -f summary); PY='$PY' OUT_DIR='$OUT_DIR' summary"
 
 echo "== steps ($((SECONDS - START))s of ${BUDGET_S}s)"

@@ -72,14 +72,16 @@ def conv_rows(tp: int, rank: int) -> list[int]:
 
 
 def rank_caches(tp: int, rank: int, attn: torch.Tensor | None, conv: torch.Tensor | None,
-                ssm: torch.Tensor | None, ids: list[list[int]], seed: int
-                ) -> tuple[dict[str, torch.Tensor], list, torch.Tensor]:
+                ssm: torch.Tensor | None, ids: list[list[int]], seed: int,
+                device: str = "cpu") -> tuple[dict[str, torch.Tensor], list, torch.Tensor]:
     """One rank's vLLM-like caches (random bytes), the request's blocks filled with its
     shard of the global model at ``ids`` (group 0 Mamba, group 1 attention)."""
     h = H // tp
     page = h * N * C * 4
     buf = torch.randint(-128, 127, (NB * page,), dtype=torch.int8,
-                        generator=torch.Generator().manual_seed(seed))
+                        generator=torch.Generator().manual_seed(seed)).to(device)
+    if device != "cpu":
+        attn, conv, ssm = (None if t is None else t.to(device) for t in (attn, conv, ssm))
     attn_v = buf.view(torch.float32).as_strided((NB, h, N, C), (page // 4, N * C, C, 1))
     rows, heads = CONV_ROWS // tp, HS // tp
     conv_v = buf.view(torch.float32).as_strided((NB, rows, W), (page // 4, W, 1))
@@ -103,18 +105,23 @@ REMOTE = [[5], [1, 2, 3]]
 LOCAL = [[7], [2, 3, 4]]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
-def test_every_decode_rank_gets_its_shard_and_nothing_else(prefill_tp: int,
-                                                           decode_tp: int) -> None:
+def test_every_decode_rank_gets_its_shard_and_nothing_else(prefill_tp: int, decode_tp: int,
+                                                           device: str) -> None:
+    """On CUDA (``gpu``): the same bytes through pinned host buffers and non-blocking
+    copies on the current stream."""
     attn, conv, ssm = global_model(1)
     hosts = []
     for p in range(prefill_tp):
-        caches, groups, _ = rank_caches(prefill_tp, p, attn, conv, ssm, REMOTE, seed=10 + p)
+        caches, groups, _ = rank_caches(prefill_tp, p, attn, conv, ssm, REMOTE, seed=10 + p,
+                                        device=device)
         cache = wrap_vllm_caches(caches, groups, NB, "tiny")
         side, readers = prefill_side(caches, groups, cache.layout, tp_size=prefill_tp,
                                      rank=p, peer_tp=decode_tp, total_kv_heads=H)
         assert readers == max(1, decode_tp // prefill_tp)
         host = HostBuffer.for_device(cache.layout, cache.device)
+        assert host.pinned == (device == "cuda")
         engine = PartCopy(cache, host, side.parts)
         plan = engine.plan(REMOTE)
         engine.run(plan, Direction.D2H)
@@ -125,7 +132,8 @@ def test_every_decode_rank_gets_its_shard_and_nothing_else(prefill_tp: int,
         assert engine.ops(plan, Direction.D2H) == side.parts.num_parts * sum(segs)
         hosts.append((host, side))
     for d in range(decode_tp):
-        caches, groups, buf = rank_caches(decode_tp, d, None, None, None, LOCAL, seed=50 + d)
+        caches, groups, buf = rank_caches(decode_tp, d, None, None, None, LOCAL, seed=50 + d,
+                                          device=device)
         before = buf.clone()
         cache = wrap_vllm_caches(caches, groups, NB, "tiny")
         side, reads, num_slices = decode_side(caches, groups, cache.layout, tp_size=decode_tp,
@@ -150,6 +158,7 @@ def test_every_decode_rank_gets_its_shard_and_nothing_else(prefill_tp: int,
             engine.copy_runs(np.stack((runs[:, 1], runs[:, 1], runs[:, 2]), axis=1),
                              Direction.H2D)
         want_caches, _, want = rank_caches(decode_tp, d, attn, conv, ssm, LOCAL, seed=50 + d)
+        buf, before = buf.cpu(), before.cpu()
         # place the global shard at the local ids: LOCAL[g][i] holds REMOTE[g][i]'s data
         for g, name in ((1, "attn.0"),):
             for rb, lb in zip(REMOTE[g], LOCAL[g], strict=True):

@@ -173,7 +173,7 @@ def test_decode_not_started_for_the_prefills_size_refuses_per_request(tmp: Path)
     ("qwen3-next-1kv", "groups shard differently (one's decode page would be a slice of a "
                        "prefill page, another's a whole page or several); per rank: "),
     ("nemotron-h-1group", "group 0: state field 'B' of 1 units does not split over TP 2"),
-])
+], ids=["qwen3-next-1kv", "nemotron-h-1group"])
 def test_models_that_cannot_map_are_refused_at_start(tmp: Path, name: str, why: str) -> None:
     """No exact mapping, so the prefill started for decode TP 2 refuses to start, in one
     line naming both sizes, the model and why: Qwen3-Next with 1 KV head (replicated at TP 2
