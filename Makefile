@@ -68,5 +68,5 @@ $(VLLM_STAMP): pyproject.toml
 
 .PHONY: test-vllm
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q tests/system/vllm tests/integrations tests/cli/test_serve_pd.py; rc=$$?; \
+	$(VLLM_PY) -m pytest -q --durations=30 tests/system/vllm tests/integrations tests/cli/test_serve_pd.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc

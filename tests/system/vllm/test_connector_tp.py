@@ -105,10 +105,17 @@ def _spec(tmp: Path, name: str, log: str, tp: int, kv_config: dict[str, Any] | N
     )
 
 
+#: the TP 1 single engine's completions of PROMPTS per model, run once per pytest process
+#: (test_connector_tp_sizes.py compares against the same)
+EXPECTED: dict[str, list[Completion]] = {}
+
+
 def _single(tmp: Path, name: str) -> list[Completion]:
-    with VLLMEngine(_spec(tmp, name, f"{name}-single.log", 1)) as engine:
-        engine.start()
-        return engine.generate(PROMPTS, max_tokens=MAX_TOKENS, logprobs=5)
+    if name not in EXPECTED:
+        with VLLMEngine(_spec(tmp, name, f"{name}-single.log", 1)) as engine:
+            engine.start()
+            EXPECTED[name] = engine.generate(PROMPTS, max_tokens=MAX_TOKENS, logprobs=5)
+    return EXPECTED[name]
 
 
 def _pd(tmp: Path, name: str, tp: int, **extra: Any) -> tuple[list[Completion], list[str]]:

@@ -8,14 +8,15 @@ mapping names into one region of its pages (`kvstage.pd.tp_map`, `kvstage.pd.tp_
 
 What each case asserts, exactly:
 - The grid's cells P TP2 -> D TP1 and P TP1 -> D TP2 (TP 1 -> 1 and 2 -> 2 are in
-  test_connector_tp.py) for a Llama with 2 KV heads (split; per-block checksums on), with
-  1 KV head (replicated at TP 2: read from one replica), the Gemma3 SWA hybrid, a
-  Nemotron-H Mamba2 hybrid with n_groups 2 (its conv state's x, B and C and its SSM heads
-  split) and a Qwen3-Next gated delta net hybrid in bf16 with 2 key and 2 value heads (its
-  conv state's q, k and v and its recurrent heads split; checksums on): the decode's token
-  ids equal the TP 1 single engine's, with every prompt in flight at once and then one
-  alone; afterwards the prefill holds no request (every rank let its blocks go: at P TP2
-  -> D TP1 with 1 KV head, rank 1 is read by no decode rank).
+  test_connector_tp.py) for: a Llama with 2 KV heads (split; per-block checksums on); a
+  Llama with 1 KV head (replicated at TP 2: read from one replica); the Gemma3 SWA hybrid
+  with 2 KV heads (split); a Nemotron-H Mamba2 hybrid with n_groups 2 (its conv state's x,
+  B and C and its SSM heads split); a Qwen3-Next gated delta net hybrid in bf16 with 2
+  key, 2 value and 2 KV heads (its conv state's q, k and v, its recurrent heads and its
+  attention heads split; checksums on). The decode's token ids equal the TP 1 single
+  engine's, with every prompt in flight at once and then one alone; afterwards the prefill
+  holds no request (every rank let its blocks go: at P TP2 -> D TP1 with 1 KV head, rank 1
+  is read by no decode rank).
 - A model with no exact mapping refuses to start in one line naming both sizes, the model
   and why: Qwen3-Next with 1 KV head (replicated at TP 2 beside a split GDN state: its
   groups shard differently) and Nemotron-H with 1 SSM group (copied to each TP 2 rank).
@@ -36,6 +37,7 @@ pytest.importorskip("nixl._api", reason="needs NIXL: `make test-vllm` installs n
 
 import dataclasses  # noqa: E402
 
+from kvstage.testing.tiny_gemma3 import build_tiny_gemma3  # noqa: E402
 from kvstage.testing.tiny_hybrids import (  # noqa: E402
     TP2_NEMOTRON_H,
     TP2_QWEN3_NEXT,
@@ -53,6 +55,7 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
 )
 from tests.system.vllm.test_connector_tp import (  # noqa: E402
     DS,
+    EXPECTED,
     MAX_TOKENS,
     MODELS,
     PROMPTS,
@@ -65,6 +68,9 @@ from tests.system.vllm.test_connector_tp import (  # noqa: E402
 pytestmark = pytest.mark.timeout(900)
 
 MODELS.setdefault("llama-1kv", (lambda p: build_tiny_llama(p, num_kv_heads=1), 32, {}))
+#: Gemma3 with 2 KV heads: its full and sliding-window heads split at TP 2 (the default
+#: tiny Gemma3 has 1, replicated: the Llama with 1 KV head covers that)
+MODELS.setdefault("gemma3-2kv", (lambda p: build_tiny_gemma3(p, num_kv_heads=2), 32, {}))
 #: Qwen3-Next with 2 KV heads: its attention splits at TP 2 as its GDN state does (with 1 KV
 #: head, replicated at TP 2, its groups would shard differently: refused at start, below)
 MODELS.setdefault("qwen3-next", (
@@ -78,7 +84,6 @@ MODELS.setdefault("nemotron-h-1group", (
 #: of one engine differ from the 5th token): its prompts stop at 150
 PROMPTS_OF = {"qwen3-next": PROMPTS[:4]}
 DTYPE_OF = {"qwen3-next": "bfloat16", "qwen3-next-1kv": "bfloat16"}
-_EXPECTED: dict[str, list[Completion]] = {}
 
 
 def spec(tmp: Path, name: str, log: str, tp: int, kv_config: dict[str, Any] | None = None,
@@ -92,12 +97,14 @@ def prompts(name: str) -> list[list[int]]:
 
 
 def single(tmp: Path, name: str) -> list[Completion]:
-    """The TP 1 single engine's completions (once per model)."""
-    if name not in _EXPECTED:
+    """The TP 1 single engine's completions (once per model and pytest process: shared
+    with test_connector_tp.py where the prompts are the same)."""
+    key = name if name not in PROMPTS_OF else f"{name}:{len(prompts(name))}"
+    if key not in EXPECTED:
         with VLLMEngine(spec(tmp, name, f"{name}-single.log", 1)) as engine:
             engine.start()
-            _EXPECTED[name] = engine.generate(prompts(name), max_tokens=MAX_TOKENS)
-    return _EXPECTED[name]
+            EXPECTED[key] = engine.generate(prompts(name), max_tokens=MAX_TOKENS)
+    return EXPECTED[key]
 
 
 def ids_differ(name: str, expected: list[Completion], got: list[Completion]) -> list[str]:
@@ -143,7 +150,7 @@ CELLS = [(2, 1), (1, 2)]
 @pytest.mark.parametrize(("name", "extra"), [
     ("llama-2kv", {"kvstage_verify_checksum": True}),
     ("llama-1kv", {}),
-    ("gemma3-swa", {}),
+    ("gemma3-2kv", {}),
     ("nemotron-h-2groups", {}),
     ("qwen3-next", {"kvstage_verify_checksum": True}),
 ])
