@@ -17,8 +17,9 @@ rank its SAVE line (d2h copy calls), per rank its host buffer (the connector's s
 vLLM's host path has no READ across TP sizes for hybrid models (its KV permute is not
 supported with the hybrid allocator); for the dense ones its figures come from its code
 (``nixl/base_worker.py``: one descriptor per registered region per block of a read, a
-region per layer; ``copy_kv_blocks``: a gather and a scatter per layer; host buffers one per
-layer name): they are printed as formulas of the same request's blocks and layers.
+region per layer; ``copy_kv_blocks``: a gather and an indexed copy per layer; a host tensor
+per layer name, the pool's size for a dense model): printed for the same request's blocks
+and layers. ``--from-json FILE`` prints the table of an earlier run.
 
     .venv-vllm/bin/python -m bench.tp_sizes [--models llama-2kv gemma3-2kv] \
         [--cells 2x1 1x2] [--json benchmarks/tp-sizes.json]
@@ -158,8 +159,9 @@ def row(c: dict[str, Any], dense: bool) -> str:
     reads, saves = c.get("reads", []), c.get("saves", [])
     per_rank, mib = _per_rank, _mib
     blocks = max((s[0] for s in saves), default=0)
-    vllm = (f"{c['layers'] * blocks} descs, {2 * c['layers']} copies, host x{c['layers']}"
-            if dense else "no path (hybrid)")
+    layers = c["layers"]
+    vllm = (f"{layers * blocks} descs, {2 * layers} copies, host = pool" if dense
+            else "no path (hybrid)")
     return (f"| {c['model']} | {c['prefill_tp']} -> {c['decode_tp']} | "
             f"{c['exact']}/{c['total']} | {per_rank(4, reads)} | {per_rank(2, reads)} | "
             f"{per_rank(0, reads)} | {per_rank(3, reads)} | {per_rank(2, saves)} | "
@@ -181,7 +183,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-length", type=int, default=150)
     p.add_argument("--logs", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="print the table of an earlier --json and exit")
     a = p.parse_args(argv)
+    if a.from_json:
+        import json
+
+        print(HEADER)
+        for c in json.loads(a.from_json.read_text())["cells"]:
+            print(row(c, MODELS[c["model"]][4] if c["model"] in MODELS else False))
+        return 0
     cells = [tuple(int(x) for x in c.split("x")) for c in a.cells]
     logs = a.logs or Path(tempfile.mkdtemp(prefix="kvstage-tp-sizes-"))
     logs.mkdir(parents=True, exist_ok=True)
