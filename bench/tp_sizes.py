@@ -55,10 +55,10 @@ from kvstage.testing.vllm_engines import (
     EngineSpec,
     VLLMEngine,
     free_ports,
-    generate_pd,
     kv_transfer_config,
     side_channel_env,
 )
+from kvstage.testing.vllm_pd import generate_pd
 
 DS = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 START_S = 600.0

@@ -67,10 +67,10 @@ def engines(rounds: int, prompt_len: int, max_tokens: int) -> None:
         EngineSpec,
         VLLMEngine,
         free_ports,
-        generate_pd,
         kv_transfer_config,
         side_channel_env,
     )
+    from kvstage.testing.vllm_pd import generate_pd
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-checksum-"))
     model = build_tiny_gemma3(tmp / "model")

@@ -74,20 +74,13 @@ from kvstage.pd.reads import (  # noqa: F401  (re-exported: the role's public na
     Remote,
     RequestResult,
     _Pending,
+    finite_positive,
     pair_runs,
 )
 from kvstage.pd.side_channel import DEFAULT_TIMEOUT_S, SideChannelClient
 from kvstage.pd.tp_copy import HostPart, PartCopy
 from kvstage.pd.tp_parts import TPSide
 from kvstage.transport.base import Transport
-
-
-def _finite_positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not (
-        0 < value < float("inf")
-    ):
-        raise InvalidRequest(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
 
 
 class DecodeWorker:
@@ -124,8 +117,8 @@ class DecodeWorker:
             if self.verify_checksum:
                 integrity.check_available()
             self.key = key  # the side channel's shared key (`kvstage.pd.auth`), or None
-            self.read_timeout_s = _finite_positive("read_timeout_s", read_timeout_s)
-            self.handshake_timeout_s = _finite_positive("handshake_timeout_s",
+            self.read_timeout_s = finite_positive("read_timeout_s", read_timeout_s)
+            self.handshake_timeout_s = finite_positive("handshake_timeout_s",
                                                         handshake_timeout_s)
             self.layout = cache.layout
             self.engine_id = engine_id or f"decode-{uuid.uuid4().hex[:8]}"
@@ -371,7 +364,6 @@ class DecodeWorker:
         self.ids.end(job.handles_all() if job else [], job.handles_open() if job else [],
                      owned, result.local_block_ids)
         return result
-
 
     @property
     def num_pending(self) -> int:

@@ -36,6 +36,15 @@ CHECKSUM_MISMATCH = "checksum_mismatch"  # the READ's bytes do not hash to prefi
 CHECKSUM_MISSING = "checksum_missing"  # verify_checksum here, prefill sent no digests
 
 
+def finite_positive(name: str, value: float) -> float:
+    """``value`` as a float, or InvalidRequest naming ``name`` unless finite and > 0."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+        0 < value < float("inf")
+    ):
+        raise InvalidRequest(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Remote:
     """A handshaken prefill engine."""

@@ -51,8 +51,8 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
     EngineSpec,
     VLLMEngine,
     free_ports,
-    generate_pd,
 )
+from kvstage.testing.vllm_pd import generate_pd  # noqa: E402
 from tests.system.vllm.test_connector_tp import (  # noqa: E402
     DS,
     EXPECTED,

@@ -42,10 +42,10 @@ from kvstage.testing.vllm_engines import (  # noqa: E402
     EngineSpec,
     VLLMEngine,
     free_ports,
-    generate_pd,
     kv_transfer_config,
     side_channel_env,
 )
+from kvstage.testing.vllm_pd import generate_pd  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
