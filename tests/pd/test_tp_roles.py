@@ -145,3 +145,26 @@ def test_a_decode_not_cut_for_the_slices_is_refused_at_handshake() -> None:
         assert "kvstage_peer_tp_size=1" in result.reason
         assert role.transport.num_open_handles == before  # nothing was read
         role.close()
+
+
+def test_a_replica_no_decode_rank_reads_is_not_copied_and_freed_at_hold() -> None:
+    """1 KV head at prefill TP 2 -> decode TP 1 (the mapping reads rank 0's copy): rank 1
+    copies nothing and lets the request go as it is held."""
+    from kvstage.pd.tp_map import AttentionShards, plan_tp, readers_per_prefill_rank
+
+    plan = plan_tp(2, 1, [AttentionShards(num_kv_heads=1)])
+    assert readers_per_prefill_rank(plan) == {0: 1, 1: 0}
+    caches, groups, _ = rank_caches(1, 0, *global_model(6), REMOTE, seed=3)
+    cache = wrap_vllm_caches(caches, groups, NB, "tiny")
+    side, _ = prefill_side(caches, groups, cache.layout, tp_size=1, rank=0, peer_tp=1,
+                           total_kv_heads=H)
+    freed: list[str] = []
+    worker = PrefillWorker(cache, LoopbackTransport("p1"), tp=side, readers=0,
+                           on_free=lambda rid, ids: freed.append(rid))
+    before = worker.host.storage.clone()
+    stats = worker.save("r", REMOTE)
+    assert (stats.blocks, stats.nbytes, stats.ops) == (0, 0, 0)
+    worker.hold("r")
+    assert freed == ["r"] and worker.num_held == 0 and worker.counters.completed == 1
+    assert torch.equal(worker.host.storage, before)
+    worker.close()

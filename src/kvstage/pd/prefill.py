@@ -176,7 +176,9 @@ class PrefillWorker:
             req = self._requests[request_id] = SavedRequest([[] for _ in block_ids])
         # per-block digests (verify_checksum) of the bytes decode will read
         flat = [b for g in ids.groups for b in g if b] if self.verify_checksum else []
-        if wait:
+        if self.readers == 0:  # a replica no decode rank reads (across TP sizes): no copy
+            stats = CopyStats(Direction.D2H, 0, 0, 0, 0)
+        elif wait:
             self._settle(request_id, req)  # its queued saves first: the later bytes win
             start = time.perf_counter()
             stats = self.engine.run(plan, Direction.D2H)
