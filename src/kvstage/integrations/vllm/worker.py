@@ -212,8 +212,8 @@ class WorkerSide:
                     self.stats.add(copy_failures=1)
                     raise
                 # a replica no decode rank reads copies nothing (pd.prefill): count none
-                blocks = sum(len(g) for g in ids) if copied.blocks else 0
-                step[rid] = (blocks, time.perf_counter() - start)
+                moved = sum(len(g) for g in ids) if copied.blocks else 0
+                step[rid] = (moved, time.perf_counter() - start)
                 total = self.saved.setdefault(rid, [0, 0.0, 0])
                 total[0] += step[rid][0]
                 total[1] += step[rid][1]
