@@ -99,9 +99,20 @@ def spec(model: Path, name: str, log: Path, tp: int, port: int = 0, role: str = 
                            **({"OMP_WAIT_POLICY": "PASSIVE"} if tp == 2 else {})})
 
 
+RANK = re.compile(r"\(Worker_TP(\d+)")
+
+
 def _new(pattern: re.Pattern[str], log: Path, seen: int) -> tuple[list[re.Match[str]], int]:
-    found = list(pattern.finditer(log.read_text(errors="replace")))
-    return found[seen:], len(found)
+    """The lines of ``pattern`` after the first ``seen``, in rank order (vLLM prefixes a
+    TP worker's lines with ``(Worker_TPr ...)``; a TP 1 engine's have no rank)."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if pattern.search(x)]
+
+    def rank(line: str) -> int:
+        found = RANK.search(line)
+        return int(found.group(1)) if found else 0
+
+    new = sorted(lines[seen:], key=rank)
+    return [m for x in new if (m := pattern.search(x)) is not None], len(lines)
 
 
 def run_cell(name: str, model: Path, want: dict[int, list[int]], prompts: dict[int, list[int]],
