@@ -1,7 +1,8 @@
-"""`kvstage tiny-model [--arch A] DIR`: build a tiny random hybrid model with its tokenizer:
-the sliding-window Gemma3 (default), or a state-space / linear-attention hybrid (granite:
-GraniteMoeHybrid Mamba2 + attention, nemotron: NemotronH, falconh1: FalconH1, all float32;
-qwen3next: Qwen3-Next gated delta net + attention, bfloat16: serve it with --dtype bfloat16).
+"""`kvstage tiny-model [--arch A] [--kv-heads N] DIR`: build a tiny random hybrid model with
+its tokenizer: the sliding-window Gemma3 (default; ``--kv-heads 2`` splits its heads over
+TP 2), or a state-space / linear-attention hybrid (granite: GraniteMoeHybrid Mamba2 +
+attention, nemotron: NemotronH, falconh1: FalconH1, all float32; qwen3next: Qwen3-Next gated
+delta net + attention, bfloat16: serve it with --dtype bfloat16).
 
 Writes config, safetensors (fixed seed: byte-identical on every build) and a word-level
 tokenizer into DIR, for `kvstage serve-pd` and vLLM on CPU. Needs torch + transformers
@@ -31,11 +32,18 @@ ARCHES = ("gemma3", "granite", "nemotron", "qwen3next", "falconh1")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="gemma3", choices=ARCHES,
                    help="gemma3 (sliding window + full attention, default) or a state hybrid")
+    p.add_argument("--kv-heads", type=int, default=1, choices=(1, 2),
+                   help="gemma3 only: KV heads (1, default: replicated at TP 2; 2: split "
+                        "over TP 2 ranks, for prefill and decode at different TP sizes)")
     p.add_argument("dir", type=_out_dir, help="output directory (created; a previous build "
                                               "there is overwritten)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.arch != "gemma3" and args.kv_heads != 1:
+        print(f"kvstage tiny-model: --kv-heads is for --arch gemma3, got --arch {args.arch}; "
+              "drop --kv-heads", file=sys.stderr)
+        return 2
     try:
         import transformers  # noqa: F401 (only to fail early with one line)
     except ImportError:
@@ -46,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from kvstage.testing.tiny_gemma3 import build_tiny_gemma3
     from kvstage.testing.tiny_hybrids import BUILDERS
 
-    build = build_tiny_gemma3 if args.arch == "gemma3" else BUILDERS[args.arch]
-    print(build(args.dir).resolve())
+    if args.arch == "gemma3":
+        print(build_tiny_gemma3(args.dir, num_kv_heads=args.kv_heads).resolve())
+    else:
+        print(BUILDERS[args.arch](args.dir).resolve())
     return 0
