@@ -66,7 +66,18 @@ $(VLLM_STAMP): pyproject.toml
 		assert not torch.version.cuda, torch.__version__"
 	touch $(VLLM_STAMP)
 
-.PHONY: test-vllm
+# vLLM's own TP 2 against TP 1 (single engines, no connector: what every P/D TP test above
+# assumes and checks again through kvstage) runs in the long suite, beside the bench grid
+LONG_ONLY := tests/system/vllm/test_vllm_tp.py
+
+.PHONY: test-vllm test-vllm-long
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q --durations=30 tests/system/vllm tests/integrations tests/cli/test_serve_pd.py; rc=$$?; \
+	$(VLLM_PY) -m pytest -q --durations=30 --ignore=$(LONG_ONLY) tests/system/vllm \
+		tests/integrations tests/cli/test_serve_pd.py; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# the long suite (not in CI): vLLM's TP check and the across-TP-sizes grid of every model
+# family at prefill TP {1, 2} x decode TP {1, 2} with per-rank figures (BENCHMARKS.md)
+test-vllm-long: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q $(LONG_ONLY)
+	$(VLLM_PY) -m bench.tp_sizes --json benchmarks/tp-sizes/grid.json
