@@ -14,9 +14,6 @@ Asserted exactly, for P -> D in (1 -> 2, 2 -> 1):
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 import torch
@@ -28,33 +25,13 @@ from kvstage.integrations.vllm.copies import wrap_vllm_caches
 from kvstage.integrations.vllm.tp import decode_side, prefill_side
 from kvstage.pd.reads import pair_runs
 from kvstage.pd.tp_copy import HostPart, PartCopy
+from tests.integrations.test_vllm_state import FullAttentionSpec, MambaSpec
 
 NB = 8
 H, N, C = 2, 8, 16  # KV heads, tokens per block, 2 x head size (fp32)
 HS, P, G, NS, W = 2, 4, 2, 4, 3  # SSM heads, head dim, groups, state size, conv width
 I_ = HS * P
 CONV_ROWS = I_ + 2 * G * NS
-
-
-class MambaType(enum.Enum):
-    MAMBA2 = "mamba2"
-
-
-@dataclass(frozen=True)
-class MambaSpec:  # vLLM's name; the attributes kvstage reads
-    block_size: int
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.float32)
-    mamba_type: MambaType = MambaType.MAMBA2
-    num_speculative_blocks: int = 0
-
-
-@dataclass(frozen=True)
-class FullAttentionSpec:
-    block_size: int
-    num_kv_heads: int
-    head_size: int = C // 2
-    dtype: torch.dtype = torch.float32
 
 
 def global_model(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,7 +74,7 @@ def rank_caches(tp: int, rank: int, attn: torch.Tensor | None, conv: torch.Tenso
             conv_v[b] = conv[b, conv_rows(tp, rank)]
             ssm_v[b] = ssm[b, rank * heads:(rank + 1) * heads]
     groups = [(["mamba.0"], MambaSpec(block_size=4096, shapes=((rows, W), (heads, P, NS)))),
-              (["attn.0"], FullAttentionSpec(block_size=N, num_kv_heads=h))]
+              (["attn.0"], FullAttentionSpec(block_size=N, num_kv_heads=h, head_size=C // 2))]
     return {"mamba.0": mamba, "attn.0": attn_v}, groups, buf
 
 

@@ -134,8 +134,9 @@ def _pd(tmp: Path, name: str, tp: int, **extra: Any) -> tuple[list[Completion], 
     return got, held
 
 
-def _ids_differ(expected: list[Completion], got: list[Completion]) -> list[str]:
-    return [f"prompt {i} ({len(PROMPTS[i])} tokens): {g.token_ids} != {e.token_ids}"
+def _ids_differ(expected: list[Completion], got: list[Completion],
+                prompts: list[list[int]] = PROMPTS) -> list[str]:
+    return [f"prompt {i} ({len(prompts[i])} tokens): {g.token_ids} != {e.token_ids}"
             for i, (e, g) in enumerate(zip(expected, got, strict=True))
             if e.token_ids != g.token_ids]
 

@@ -61,6 +61,7 @@ from tests.system.vllm.test_connector_tp import (  # noqa: E402
     PROMPTS,
     TP2_LEASE,
     TP2_TIMEOUT_S,
+    _ids_differ,
     _spec,
     kv,
 )
@@ -108,9 +109,7 @@ def single(tmp: Path, name: str) -> list[Completion]:
 
 
 def ids_differ(name: str, expected: list[Completion], got: list[Completion]) -> list[str]:
-    return [f"prompt {i} ({len(prompts(name)[i])} tokens): {g.token_ids} != {e.token_ids}"
-            for i, (e, g) in enumerate(zip(expected, got, strict=True))
-            if e.token_ids != g.token_ids]
+    return _ids_differ(expected, got, prompts(name))
 
 
 @pytest.fixture(scope="module")
