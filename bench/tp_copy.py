@@ -74,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pool-blocks", type=int, default=96)
     p.add_argument("--parts", type=int, default=2)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (CPU; default 1)")
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench.tp_copy: --device cuda needs a CUDA device; none is visible",
               file=sys.stderr)
