@@ -2,7 +2,10 @@
 
 Contract
 --------
-`Loads` owns one rank's `kvstage.pd.decode.DecodeWorker`. Starting a request's READ talks to
+`Loads` owns one rank's `kvstage.pd.decode.DecodeWorker` (across TP sizes, one per prefill
+rank it reads, each filling one region of the rank's pages: a request is started on every
+one, and ends once all of them ended, failed if any failed, so no region is reported while
+another may still write its blocks). Starting a request's READ talks to
 the prefill's side channel (the handshake the first time, then the Acquire that checks the
 capability and extends the lease): on a slow or dead prefill that waits up to the
 handshake bound. So ``start`` only queues; one daemon thread (``kvstage-decode-start``)

@@ -10,8 +10,11 @@ its own block-major host buffer of this rank's shard (host bytes = the rank's de
 - ``register(kv_caches)``: vLLM's ``{layer: tensor}`` as pages of LOGICAL block ids (every
   group's ids index one space: `copies.page_rows`), `KVCache.wrap_layers` over them, then
   the roles. The prefill's side channel listens on ``port`` (the instance's base port plus
-  this rank): decode rank r reads prefill rank r, one handshake per rank pair, sealed with
-  the key when there is one.
+  this rank): at equal TP sizes decode rank r reads prefill rank r, one handshake per rank
+  pair, sealed with the key when there is one. Across sizes (``peer_tp_size``, the other
+  side's TP: `integrations.vllm.tp`) the prefill's pages are cut into the slices its
+  readers take, and a decode rank runs one `DecodeWorker` per prefill rank it reads, each
+  filling one region of the rank's pages from one shared host buffer.
 - ``save(meta)`` (vLLM's ``wait_for_save``, after the forward): the step's d2h of each
   request's completed blocks (queued on the copy stream on CUDA, copied in the step on
   CPU), then the holds (every save of the request waited for, its lease started with the
