@@ -48,6 +48,8 @@ class PrefillWorker(Protocol):
     def prefill(self, request_id: str, num_tokens: int, seed: int) -> m.PrefillDone: ...
     def release(self, request_id: str) -> None: ...
     def _free(self, request_id: str) -> bool: ...
+    def _authorized(self, request_id: str, capability: bytes) -> SavedRequest: ...
+    def stats(self) -> m.Stats: ...
     def _checksums(self, req: SavedRequest, slice_index: int = 0) -> list[list[int]]: ...
 
 
@@ -72,7 +74,7 @@ def handle(w: PrefillWorker, msg: m.Message) -> m.Message:
     if isinstance(msg, m.PrefillRequest):
         return w.prefill(msg.request_id, msg.num_tokens, msg.seed)
     if isinstance(msg, m.Acquire):
-        req = authorized(w, msg.request_id, msg.capability)
+        req = w._authorized(msg.request_id, msg.capability)
         if not 0 <= msg.slice_index < w.num_slices:
             raise InvalidRequest(f"slice_index {msg.slice_index} out of range: this prefill "
                                  f"holds {w.num_slices} slice(s) per block")
@@ -90,16 +92,17 @@ def handle(w: PrefillWorker, msg: m.Message) -> m.Message:
         return m.Lease(request_id=msg.request_id, remaining_s=req.deadline - now,
                        engine_id=w.engine_id, checksums=w._checksums(req, msg.slice_index))
     if isinstance(msg, m.Release):
-        authorized(w, msg.request_id, msg.capability)
+        w._authorized(msg.request_id, msg.capability)
         w.release(msg.request_id)
         return m.Ok()
     if isinstance(msg, m.GetStats):
-        return stats(w)
+        return w.stats()
     raise InvalidRequest(f"prefill worker does not handle {type(msg).__name__}")
 
 
 def authorized(w: PrefillWorker, request_id: str, capability: bytes) -> SavedRequest:
-    """The held request, if ``capability`` is the one issued for it."""
+    """The held request, if ``capability`` is the one issued for it (the worker's
+    ``_authorized``: `handle` calls that method, the one place a capability is judged)."""
     req = w._requests.get(request_id)
     if req is None or not req.held:
         raise NotHeld(
