@@ -35,6 +35,7 @@ from kvstage.engine import CopyStats, Direction
 from kvstage.errors import LayoutMismatch
 from kvstage.layout import KVLayout
 from kvstage.pd.tp_parts import PageParts
+from kvstage.plan import runs_of_ids
 
 __all__ = ["HostPart", "PartCopy", "PartPlan", "host_for"]
 
@@ -85,20 +86,9 @@ class PartPlan:
 
 
 def _group_runs(ids: GroupedBlockIds) -> list[tuple[int, int, int]]:
-    out = []
-    for g, group in enumerate(ids.groups):
-        real = sorted({int(b) for b in group if b})
-        start = prev = None
-        for b in real:
-            if prev is not None and b == prev + 1:
-                prev = b
-                continue
-            if start is not None and prev is not None:
-                out.append((g, start, prev - start + 1))
-            start = prev = b
-        if start is not None and prev is not None:
-            out.append((g, start, prev - start + 1))
-    return out
+    """(group, first id, n) per run of each group's ids (`plan.runs_of_ids`)."""
+    return [(g, int(start), int(n)) for g, group in enumerate(ids.groups)
+            for start, _, n in runs_of_ids(list(group))]
 
 
 class PartCopy:

@@ -37,7 +37,10 @@ import numpy as np
 from kvstage.errors import LayoutMismatch
 from kvstage.specs import DTYPES, MambaSpec
 
-__all__ = ["GroupParts", "PageParts", "TPSide", "head_units", "page_parts", "state_units"]
+__all__ = [
+    "GroupParts", "PageParts", "TPSide", "head_units", "page_parts", "state_fields",
+    "state_units",
+]
 
 #: a field of a page: (name, units on this rank)
 Field = tuple[str, int]
@@ -52,11 +55,6 @@ class GroupParts:
 
     segments: tuple[tuple[tuple[int, int, int], ...], ...]
     signature: tuple[tuple[str, int, int], ...]
-
-    @property
-    def num_segments(self) -> int:
-        """Segments of one part (every part has as many)."""
-        return len(self.segments[0])
 
 
 @dataclass(frozen=True)
@@ -171,7 +169,7 @@ def head_units(shape: Sequence[int], stride: Sequence[int], item: int, page_byte
     return np.repeat(field_of, item), np.repeat(unit_of, item)
 
 
-def _state_fields(spec: MambaSpec) -> tuple[list[tuple[str, int]], list[int]]:
+def state_fields(spec: MambaSpec) -> tuple[list[tuple[str, int]], list[int]]:
     """([(field, units per rank)], [rows per unit]) of the conv state's rows, then the
     recurrent state's heads: Mamba2 x (heads) / B / C (groups), gated delta net q / k (key
     heads) / v (value heads)."""
@@ -203,7 +201,7 @@ def _state_fields(spec: MambaSpec) -> tuple[list[tuple[str, int]], list[int]]:
 def state_units(spec: MambaSpec, page_bytes: int) -> tuple[UnitMap, list[Field]]:
     """A state page's unit map and fields (module doc): the conv state's rows by field
     (x / B / C, or q / k / v), then the recurrent state by head; the rest is padding."""
-    fields, rows_per_unit = _state_fields(spec)
+    fields, rows_per_unit = state_fields(spec)
     conv_shape, rec_shape = spec.shapes
     conv_item, rec_item = (DTYPES[d].itemsize for d in spec.dtypes)
     conv_off, rec_off = spec.state_offsets()

@@ -35,7 +35,14 @@ from kvstage.pd.tp_map import (
     plan_tp,
     readers_per_prefill_rank,
 )
-from kvstage.pd.tp_parts import PageParts, TPSide, head_units, page_parts, state_units
+from kvstage.pd.tp_parts import (
+    PageParts,
+    TPSide,
+    head_units,
+    page_parts,
+    state_fields,
+    state_units,
+)
 
 __all__ = ["cut_pages", "decode_side", "group_shards", "prefill_side"]
 
@@ -48,7 +55,7 @@ def group_shards(layout: KVLayout, tp_size: int, total_kv_heads: int) -> list[Sh
         if isinstance(spec, MLASpec):
             out.append(ReplicatedShards())
         elif isinstance(spec, MambaSpec):
-            _, fields = state_units(spec, spec.page_size_bytes)
+            fields, _ = state_fields(spec)
             out.append(StateShards(fields=tuple((n, u * tp_size) for n, u in fields)))
         else:
             per_rank = int(spec.num_kv_heads)
